@@ -1,0 +1,103 @@
+"""Immutable views of the fleet and of one request, the inputs every routing policy gets.
+
+Owns: `EngineView`, `ClusterSnapshot`, `RequestFeatures`, `EngineId`. These are the types the live gateway's
+cluster store and the discrete-event simulator both build (invariant I1), so a policy measured in simulation is
+the shipped policy.
+Must not: import asyncio, grpc, aiohttp, prometheus or time; hold mutable state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+EngineId = NewType("EngineId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """What the gateway knows about one engine at snapshot time."""
+
+    engine_id: EngineId
+    model: str
+    profile: str = ""
+    backend: str = "sim"
+    role: str = ""
+    # Lifecycle as seen by the gateway.
+    ready: bool = True  # connected, reported ready, not draining
+    stale: bool = False  # no state report within the staleness bound
+    state_age_s: float = 0.0  # snapshot time minus the time the last report arrived
+    # Pushed state (last report).
+    seq: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_reserved: int = 0
+    block_size: int = 16
+    pending_prefill_tokens: int = 0
+    running_batch_tokens: int = 0
+    max_num_seqs: int = 0
+    # LENS state vector (zero when the engine does not run LENS).
+    predicted_batch_latency_s: float = 0.0
+    pending_work_tokens: float = 0.0
+    effective_free_kv_blocks: int = 0
+    peak_throughput_tokens_per_s: float = 0.0
+    # Gateway-side optimistic accounting: requests this gateway dispatched and not yet finished.
+    inflight_requests: int = 0
+    inflight_tokens: int = 0  # prompt + max output tokens of those requests (an upper bound)
+    # Dispatched since the engine's last report (so not yet reflected in num_running / num_waiting).
+    unreported_requests: int = 0
+    unreported_tokens: int = 0
+
+    @property
+    def kv_free_ratio(self) -> float:
+        return self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def queue_length(self) -> int:
+        """Requests on the engine as best known: reported running + waiting + dispatched since."""
+        return self.num_running + self.num_waiting + self.unreported_requests
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """The fleet at one instant. `engines` is in a stable order (by engine id)."""
+
+    taken_at_s: float
+    engines: tuple[EngineView, ...]
+
+    def get(self, engine_id: EngineId) -> EngineView | None:
+        for e in self.engines:
+            if e.engine_id == engine_id:
+                return e
+        return None
+
+    def serving(self, model: str) -> tuple[EngineView, ...]:
+        """Engines of `model` that can take a request (ready, not stale)."""
+        return tuple(e for e in self.engines if e.model == model and e.ready and not e.stale)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """One request as a policy sees it. Time and randomness are data here, never read by the policy."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int  # exact when known, else an estimate
+    max_tokens: int
+    now_s: float  # the clock reading the dispatcher took for this decision
+    dispatch_seq: int  # increases by one per decision in this process (round robin uses it)
+    rand: float = 0.0  # uniform [0, 1) drawn by the dispatcher (seeded in tests and the simulator)
+    session_id: str = ""
+    # The engine that last served this session and when (looked up by the dispatcher; None = no record).
+    session_engine: EngineId | None = None
+    session_last_used_s: float = 0.0
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    priority: int = 0
+    exclude: frozenset[EngineId] = frozenset()  # engines already tried for this request
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
