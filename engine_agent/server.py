@@ -1,0 +1,121 @@
+"""The engine agent's composition root: build the backend and gRPC server from an `AgentConfig`, serve, drain.
+
+Owns: wiring (tokenizer, backend, servicer, grpc.health.v1), binding (with a clear error when the port is
+taken), the health status (NOT_SERVING until the backend runs and again while draining), and the shutdown
+order: on SIGTERM/SIGINT stop accepting Generate, let in-flight streams finish within the grace, stop the
+server, stop the backend.
+Must not: parse command lines or install an event loop policy (that is `engine_agent.__main__`), or translate
+protobuf (that is `engine_agent.service`).
+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine_agent.backends.sim import SimBackend
+from engine_agent.config import AgentConfig
+from engine_agent.proto_gen import engine_agent_pb2 as pb
+from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
+from engine_agent.service import AgentService
+from engine_agent.sim.profiles import get_profile
+from engine_agent.tokenization import Tokenizer
+from switchyard.clock import Clock, MonotonicClock
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineAgent"].full_name
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    # Clients (the gateway) ping to detect dead agents; never punish them for it.
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # A second agent on a taken port must fail to bind, not share it.
+    ("grpc.so_reuseport", 0),
+)
+
+# After the drain, in-flight calls still open (WatchState streams, streams past the grace) get this long.
+_FINAL_STOP_GRACE_S = 0.5
+
+
+class AgentStartupError(RuntimeError):
+    """The agent could not start (e.g. the port is taken); the message is one line for the operator."""
+
+
+def build_backend(config: AgentConfig, tokenizer: Tokenizer, clock: Clock) -> SimBackend:
+    """The configured backend (only `sim` today); raises `UnknownProfileError` for an unknown profile."""
+    return SimBackend(
+        get_profile(config.profile),
+        clock=clock,
+        engine_id=config.engine_id,
+        vocab_size=tokenizer.vocab_size,
+        eos_token_id=tokenizer.eos_token_id,
+        special_token_ids=tokenizer.special_token_ids,
+        seed=config.seed,
+        role=config.role,
+        model=config.model,
+    )
+
+
+async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asyncio.Event | None = None) -> int:
+    """Run an agent until SIGTERM/SIGINT (or `stop` is set); returns the exit status (0 after a drain)."""
+    clock = clock or MonotonicClock()
+    log.info("engine agent config: %s", config.model_dump_json())
+    tokenizer = Tokenizer.load_sim()
+    backend = build_backend(config, tokenizer, clock)
+    service = AgentService(backend, tokenizer, clock=clock, state_interval_ms=config.state_interval_ms)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    server = grpc.aio.server(options=list(SERVER_OPTIONS))
+    pb_grpc.add_EngineAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(config.bind_address)
+    except RuntimeError as exc:
+        raise AgentStartupError(f"cannot bind {config.bind_address}: {exc} (is the port in use?)") from exc
+    if port == 0:
+        raise AgentStartupError(f"cannot bind {config.bind_address} (is the port in use?)")
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        await backend.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "engine agent %s (%s, profile %s) listening on %s:%d",
+            config.engine_id,
+            config.backend,
+            config.profile,
+            config.host,
+            port,
+        )
+        await stop.wait()
+
+        log.info(
+            "draining: %d generate stream(s) in flight, grace %.1fs", service.in_flight, config.drain_grace_s
+        )
+        await health_servicer.enter_graceful_shutdown()
+        service.start_draining()
+        if not await service.wait_idle(config.drain_grace_s):
+            log.warning("drain grace expired with %d stream(s) in flight; cancelling them", service.in_flight)
+        await server.stop(_FINAL_STOP_GRACE_S)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await server.stop(None)
+        await backend.stop()
+    log.info("engine agent %s stopped", config.engine_id)
+    return 0

@@ -1,0 +1,38 @@
+"""The simulated GPU engine: hardware and model catalogues, profiles, the performance model and `SimEngine`.
+
+Owns: the one engine model (invariant I2) that the sim backend drives in real time and the discrete-event
+simulator drives in virtual time.
+Must not: import asyncio, grpc or the backends' drivers; read clocks; do I/O.
+"""
+
+from engine_agent.sim.engine import IterationRecord, SimEngine, StepResult
+from engine_agent.sim.hardware import GPUS, MODELS, GpuSpec, ModelShape
+from engine_agent.sim.perf_model import (
+    BatchShape,
+    PerfCoefficients,
+    batch_time_s,
+    decode_attention_time_s,
+    heterogeneity_factor,
+    iteration_time_s,
+)
+from engine_agent.sim.profiles import Profile, UnknownProfileError, get_profile, known_profiles
+
+__all__ = [
+    "GPUS",
+    "MODELS",
+    "BatchShape",
+    "GpuSpec",
+    "IterationRecord",
+    "ModelShape",
+    "PerfCoefficients",
+    "Profile",
+    "SimEngine",
+    "StepResult",
+    "UnknownProfileError",
+    "batch_time_s",
+    "decode_attention_time_s",
+    "get_profile",
+    "heterogeneity_factor",
+    "iteration_time_s",
+    "known_profiles",
+]

@@ -1,0 +1,410 @@
+"""The simulated GPU engine: continuous batching, chunked prefill, paged KV accounting and preemption.
+
+Owns: `SimEngine`, one engine stepped one iteration at a time at a caller-given time (invariant I2: the sim
+backend drives it in real time, the discrete-event simulator in virtual time), and what a step returns
+(`StepResult`, `IterationRecord`).
+Must not: read clocks, sleep, do I/O or know asyncio; time enters only as the `now_s` arguments and leaves as
+`StepResult.duration_s`.
+
+Scheduling follows vLLM V1: each iteration has a token budget (`max_batched_tokens`) and a sequence cap
+(`max_num_seqs`). Running requests go first, in admission order, each computing its remaining uncomputed
+tokens up to the budget (1 for a decoding request, a chunk for one still in prefill). A running request that
+needs a KV block when none is free preempts by recompute the most recently admitted running request (itself if
+it is the last): its blocks are freed, it goes back to the waiting queue with its generated tokens and
+recomputes prompt + generated tokens as a prefill. When no preemption happened, waiting requests are admitted
+in (priority, arrival) order with the budget left, stopping at the first that does not fit.
+A request samples a token in the iteration that computes its last uncomputed token (so the first output token
+comes from the iteration completing its prefill). Everything a step produces is visible at now_s + duration_s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import random
+from dataclasses import dataclass
+
+from engine_agent.backends.base import (
+    BackendRequest,
+    EngineStats,
+    FinishEvent,
+    FinishReason,
+    RequestId,
+    Timings,
+    Usage,
+)
+from engine_agent.sim.perf_model import PerfCoefficients, iteration_time_s
+from engine_agent.sim.profiles import Profile
+
+_MASK64 = (1 << 64) - 1
+# Knuth's MMIX linear congruential generator; tokens come from its high bits.
+_LCG_MUL = 6364136223846793005
+_LCG_INC = 1442695040888963407
+
+_WAITING, _RUNNING, _DONE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class IterationRecord:
+    """One iteration's shape and time: the sample an online latency model is fitted on."""
+
+    start_s: float
+    duration_s: float
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_decode_tokens: int
+    batch_context_tokens: int  # sum over scheduled sequences of (computed before + computed now)
+    kv_blocks_free_after: int
+    num_preempted: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one iteration produced; the caller delivers it at `record.start_s + duration_s`."""
+
+    duration_s: float
+    tokens: tuple[tuple[RequestId, int], ...]  # one token per request that produced one, in batch order
+    finished: tuple[tuple[RequestId, FinishEvent], ...]
+    record: IterationRecord
+
+
+class _Seq:
+    """A request inside the engine. `num_tokens` = prompt + generated; `num_computed` of them are in KV."""
+
+    __slots__ = ("request_id", "prompt_len", "target_len", "stop_at_target", "priority", "order", "arrival_s",
+                 "state", "num_tokens", "num_computed", "num_output", "num_blocks", "prefill_end",
+                 "reserved_blocks", "first_scheduled_s", "first_token_s", "rng", "excluded",
+                 "token_range")
+
+    def __init__(self, request_id: RequestId, prompt_len: int, target_len: int, stop_at_target: bool,
+                 priority: int, order: int, arrival_s: float, rng: int, excluded: tuple[int, ...],
+                 token_range: int) -> None:
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.target_len = target_len
+        self.stop_at_target = stop_at_target
+        self.priority = priority
+        self.order = order
+        self.arrival_s = arrival_s
+        self.state = _WAITING
+        self.num_tokens = prompt_len
+        self.prefill_end = prompt_len  # in prefill while num_computed < prefill_end
+        self.num_computed = self.num_output = self.num_blocks = self.reserved_blocks = 0
+        self.first_scheduled_s = self.first_token_s = -1.0  # -1: not yet
+        self.rng = rng
+        self.excluded = excluded  # sorted token ids never drawn
+        self.token_range = token_range
+
+
+def _stable_key(*parts: object) -> int:
+    digest = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class SimEngine:
+    """A simulated GPU engine, stepped one iteration at a time (see the module docstring)."""
+
+    __slots__ = ("_profile", "_seed", "_vocab_size", "_eos", "_excluded", "_engine_id", "_coeffs", "_seqs",
+                 "_running", "_waiting", "_num_waiting", "_reserved_blocks", "_pending_prefill",
+                 "_running_tokens", "_free_blocks", "_order", "_iterations", "_preempted_total",
+                 "_last_iteration_s", "_changes")
+
+    def __init__(self, profile: Profile, *, seed: int = 0, vocab_size: int = 32000, eos_token_id: int = 2,
+                 special_token_ids: frozenset[int] = frozenset(), engine_id: str = "sim-0") -> None:
+        excluded = tuple(sorted(t for t in ({eos_token_id} | special_token_ids) if 0 <= t < vocab_size))
+        if vocab_size - len(excluded) <= 0:
+            raise ValueError("vocab_size leaves no token ids after excluding eos and special tokens")
+        self._profile = profile
+        self._seed = seed
+        self._vocab_size = vocab_size
+        self._eos = eos_token_id
+        self._excluded = excluded
+        self._engine_id = engine_id
+        self._coeffs = PerfCoefficients.from_profile(profile)
+        self._seqs: dict[RequestId, _Seq] = {}
+        self._running: list[_Seq] = []
+        # Heap of (priority, arrival order, seq); aborted entries are skipped when they reach the top.
+        self._waiting: list[tuple[int, int, _Seq]] = []
+        self._num_waiting = 0
+        self._reserved_blocks = 0
+        self._pending_prefill = 0
+        self._running_tokens = 0
+        self._free_blocks = profile.kv_blocks_total
+        self._order = 0
+        self._iterations = 0
+        self._preempted_total = 0
+        self._last_iteration_s = 0.0
+        self._changes = 0
+
+    @property
+    def profile(self) -> Profile:
+        return self._profile
+
+    @property
+    def engine_id(self) -> str:
+        return self._engine_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def change_counter(self) -> int:
+        return self._changes
+
+    def has_work(self) -> bool:
+        return bool(self._running) or self._num_waiting > 0
+
+    def add_request(self, request: BackendRequest, now_s: float) -> None:
+        """Queue a request arriving at `now_s`; ValueError if it can never run or its id is in use."""
+        rid = request.request_id
+        if rid in self._seqs:
+            raise ValueError(f"duplicate request id {rid!r}")
+        sampling = request.sampling
+        prompt_len = len(request.prompt_token_ids)
+        max_tokens = sampling.max_tokens
+        if prompt_len <= 0 or max_tokens <= 0:
+            raise ValueError(f"request {rid!r}: prompt and max_tokens must be non-empty, got "
+                             f"{prompt_len} prompt tokens and max_tokens={max_tokens}")
+        profile = self._profile
+        if prompt_len + max_tokens > profile.max_context_tokens:
+            raise ValueError(f"request {rid!r}: prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds "
+                             f"the max context of {profile.max_context_tokens} tokens")
+        if math.ceil((prompt_len + max_tokens - 1) / profile.block_size) > profile.kv_blocks_total:
+            raise ValueError(f"request {rid!r}: {prompt_len + max_tokens} tokens exceed the KV capacity of "
+                             f"{profile.kv_capacity_tokens} tokens")
+        base = f"seed:{sampling.seed}" if sampling.seed is not None else f"id:{rid}"
+        key = _stable_key(self._seed, base)
+        target_len, stop = self._output_length(request, key)
+        excluded = self._excluded
+        if sampling.stop_token_ids:
+            extra = {t for t in sampling.stop_token_ids if 0 <= t < self._vocab_size}
+            excluded = tuple(sorted(set(excluded) | extra))
+        token_range = self._vocab_size - len(excluded)
+        if token_range <= 0:
+            raise ValueError(f"request {rid!r}: stop_token_ids leave no token ids to draw")
+        self._order += 1
+        seq = _Seq(rid, prompt_len, target_len, stop, request.priority, self._order, now_s, key, excluded,
+                   token_range)
+        self._seqs[rid] = seq
+        self._enqueue(seq)
+        self._changes += 1
+
+    def _output_length(self, request: BackendRequest, key: int) -> tuple[int, bool]:
+        """(output tokens to produce, whether the last one is EOS: finish "stop" rather than "length")."""
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens
+        if sampling.ignore_eos:
+            return max_tokens, False
+        if request.target_output_tokens > 0:
+            target = min(request.target_output_tokens, max_tokens)
+            return target, target < max_tokens
+        profile = self._profile
+        draw = random.Random(key).lognormvariate(profile.output_len_log_mean, profile.output_len_log_std)
+        drawn = round(draw)
+        low = min(max(1, sampling.min_tokens), max_tokens)
+        target = min(max(drawn, low), max_tokens)
+        return target, target < max_tokens
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """Put a request (new or preempted, holding no KV) in the waiting queue."""
+        seq.state = _WAITING
+        seq.prefill_end = seq.num_tokens
+        seq.reserved_blocks = -(-seq.num_tokens // self._profile.block_size)
+        self._num_waiting += 1
+        self._reserved_blocks += seq.reserved_blocks
+        self._pending_prefill += seq.num_tokens
+        heapq.heappush(self._waiting, (seq.priority, seq.order, seq))
+
+    def _release(self, seq: _Seq) -> None:
+        """Free the KV of a running request taken off the running list; forget what it computed."""
+        self._free_blocks += seq.num_blocks
+        self._running_tokens -= seq.num_computed
+        if seq.num_computed < seq.prefill_end:
+            self._pending_prefill -= seq.prefill_end - seq.num_computed
+        seq.num_computed = seq.num_blocks = 0
+
+    def abort(self, request_id: RequestId, now_s: float) -> FinishEvent | None:
+        """Drop a request and free its KV at once; None when the id is unknown (never added or finished)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.state == _RUNNING:
+            self._running.remove(seq)
+            self._release(seq)
+        else:  # waiting: its heap entry is skipped when it reaches the top
+            self._num_waiting -= 1
+            self._reserved_blocks -= seq.reserved_blocks
+            self._pending_prefill -= seq.prefill_end
+        seq.state = _DONE
+        self._changes += 1
+        return FinishEvent("abort", Usage(seq.prompt_len, seq.num_output), self._timings(seq, now_s))
+
+    @staticmethod
+    def _timings(seq: _Seq, end_s: float) -> Timings:
+        if seq.first_scheduled_s < 0:
+            return Timings(queue_s=max(0.0, end_s - seq.arrival_s))
+        queue_s = seq.first_scheduled_s - seq.arrival_s
+        if seq.first_token_s < 0:
+            return Timings(queue_s=queue_s, prefill_s=max(0.0, end_s - seq.first_scheduled_s))
+        return Timings(queue_s=queue_s, prefill_s=seq.first_token_s - seq.first_scheduled_s,
+                       decode_s=max(0.0, end_s - seq.first_token_s))
+
+    def _admit(self, now_s: float, budget: int, free_blocks: int) -> bool:
+        """Move the head of the waiting queue to the running list if its next chunk fits; False otherwise."""
+        heap = self._waiting
+        if len(self._running) >= self._profile.max_num_seqs:
+            return False
+        while heap:
+            seq = heap[0][2]
+            if seq.state == _WAITING:
+                break
+            heapq.heappop(heap)  # aborted while waiting
+        else:
+            return False
+        chunk = seq.num_tokens if seq.num_tokens < budget else budget
+        if -(-chunk // self._profile.block_size) > free_blocks:
+            return False
+        heapq.heappop(heap)
+        seq.state = _RUNNING
+        self._running.append(seq)
+        self._num_waiting -= 1
+        self._reserved_blocks -= seq.reserved_blocks
+        if seq.first_scheduled_s < 0:
+            seq.first_scheduled_s = now_s
+        return True
+
+    def step(self, now_s: float) -> StepResult:
+        """Schedule and run one iteration starting at `now_s`; its effects are visible at now_s + duration_s.
+
+        One pass over the batch: running requests, then admissions (only if nothing was preempted), each
+        computed as soon as it is scheduled. Blocks freed by requests finishing in this iteration become free
+        after it. With nothing to run it returns a zero-duration empty result and counts no iteration.
+        """
+        running = self._running
+        bs = self._profile.block_size
+        budget = self._profile.max_batched_tokens
+        free = self._free_blocks
+        eos = self._eos
+        tokens: list[tuple[RequestId, int]] = []
+        firsts: list[_Seq] = []
+        done: list[_Seq] = []
+        freed = preempted = pending_done = computed_now = context_tokens = 0
+        n_pre = pre_tokens = pairs = prior = n_dec = dec_sum = dec_max = 0
+        i = 0
+        while budget > 0:
+            if i == len(running) and (preempted or not self._admit(now_s, budget, free)):
+                break
+            seq = running[i]
+            i += 1
+            c = seq.num_computed
+            total = seq.num_tokens
+            n = total - c
+            if n > budget:
+                n = budget
+            need = (c + n + bs - 1) // bs - seq.num_blocks
+            if need > 0:
+                if need > free:
+                    self._free_blocks = free
+                    victim = seq
+                    while need > self._free_blocks:  # preemption by recompute, most recently admitted first
+                        victim = running.pop()
+                        self._release(victim)
+                        self._enqueue(victim)
+                        self._preempted_total += 1
+                        preempted += 1
+                        if victim is seq:
+                            break
+                    free = self._free_blocks
+                    if victim is seq:
+                        break
+                free -= need
+                seq.num_blocks += need
+            budget -= n
+            if n == 1 and seq.num_output:
+                n_dec += 1
+                dec_sum += c + 1
+                if c >= dec_max:
+                    dec_max = c + 1
+            else:
+                n_pre += 1
+                pre_tokens += n
+                pairs += n * c + n * (n + 1) // 2
+                prior += c
+            if c < seq.prefill_end:
+                pending_done += n
+            c += n
+            seq.num_computed = c
+            computed_now += n
+            context_tokens += c
+            if c != total:
+                continue  # a prefill chunk that does not finish the prompt
+            k = seq.num_output + 1
+            seq.num_output = k
+            seq.num_tokens = total + 1
+            if k == 1:
+                firsts.append(seq)
+            if k == seq.target_len and seq.stop_at_target:
+                token = eos
+            else:
+                rng = (seq.rng * _LCG_MUL + _LCG_INC) & _MASK64
+                seq.rng = rng
+                token = (rng >> 33) % seq.token_range
+                for excluded in seq.excluded:
+                    if token < excluded:
+                        break
+                    token += 1
+            tokens.append((seq.request_id, token))
+            if k == seq.target_len:
+                seq.state = _DONE
+                freed += seq.num_blocks
+                computed_now -= c
+                seq.num_blocks = 0
+                del self._seqs[seq.request_id]
+                done.append(seq)
+
+        self._free_blocks = free
+        if not n_pre and not n_dec:
+            if preempted:
+                self._changes += 1
+            return StepResult(0.0, (), (), IterationRecord(now_s, 0.0, 0, 0, 0, 0, 0, free, preempted))
+        duration_s = iteration_time_s(self._coeffs, n_pre, pre_tokens, pairs, prior, n_dec, dec_sum, dec_max)
+        end_s = now_s + duration_s
+        for seq in firsts:
+            seq.first_token_s = end_s
+        finished: list[tuple[RequestId, FinishEvent]] = []
+        if done:
+            for seq in done:
+                reason: FinishReason = "stop" if seq.stop_at_target else "length"
+                usage = Usage(seq.prompt_len, seq.num_output)
+                finished.append((seq.request_id, FinishEvent(reason, usage, self._timings(seq, end_s))))
+            self._running = [s for s in running if s.state == _RUNNING]
+            self._free_blocks = free = free + freed
+        self._pending_prefill -= pending_done
+        self._running_tokens += computed_now
+        self._iterations += 1
+        self._last_iteration_s = duration_s
+        self._changes += 1
+        record = IterationRecord(now_s, duration_s, n_pre, pre_tokens, n_dec, n_dec, context_tokens, free,
+                                 preempted)
+        return StepResult(duration_s, tuple(tokens), tuple(finished), record)
+
+    def stats(self, now_s: float) -> EngineStats:
+        """The engine's figures after the last step (the driver overrides `draining`)."""
+        return EngineStats(
+            timestamp_s=now_s,
+            ready=True,
+            draining=False,
+            num_running=len(self._running),
+            num_waiting=self._num_waiting,
+            num_preempted_total=self._preempted_total,
+            kv_blocks_total=self._profile.kv_blocks_total,
+            kv_blocks_free=self._free_blocks,
+            kv_blocks_reserved=self._reserved_blocks,
+            pending_prefill_tokens=self._pending_prefill,
+            running_batch_tokens=self._running_tokens,
+            last_iteration_s=self._last_iteration_s,
+            iterations_total=self._iterations,
+        )
