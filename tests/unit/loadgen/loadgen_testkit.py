@@ -1,0 +1,44 @@
+"""Shared helpers for the loadgen unit tests: the fixture data root and tiny tokenizers built in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+FIXTURE_DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog.",
+    "a gateway routes each request to an engine and streams the tokens back!",
+    "time to first token, time per output token and end to end latency are measured in milliseconds?",
+    "people answer the question about the river, the city, the garden and the market, and of the music.",
+]
+
+
+def word_level_tokenizer() -> Tokenizer:
+    """Whitespace/punctuation pre-tokenizer + word vocabulary: every word or punctuation run is one token."""
+    words = sorted({w for line in CORPUS for w in line.replace(".", " . ").replace(",", " , ").split()})
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def byte_level_bpe(vocab_size: int = 300) -> Tokenizer:
+    """A byte-level BPE trained on CORPUS (merges make token counts differ from word counts)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    return tok
+
+
+def with_bos(tok: Tokenizer) -> Tokenizer:
+    """``tok`` with a BOS token added to every encoding, as Llama-style tokenizers do."""
+    tok.add_special_tokens(["<s>"])
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos_id)])
+    return tok
