@@ -82,6 +82,10 @@ class EngineStreamError(Exception):
     """The engine failed after the stream began (not retryable without duplicating output)."""
 
 
+class EngineRequestError(ValueError):
+    """The engine rejected the request itself (bad arguments); the API answers 400 and never retries it."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineReport:
     """One state report, transport-neutral (the cluster store turns it into an `EngineView`)."""

@@ -1,0 +1,179 @@
+"""Gateway overhead: the same client against a minimal OpenAI upstream, directly and through the gateway.
+
+One invocation starts the mock upstream (benchmarks/mock_upstream.py) and a gateway in front of it
+(`python -m gateway --upstream ...`), each in its own process, and measures, side by side in the same run:
+- TTFT p50/p99 at concurrency 1 (direct vs gateway, and the difference: the gateway's added TTFT);
+- CPU seconds the gateway process spends per request (from /proc, user + system);
+- streamed chunks per second at concurrency 64 and 256 (direct vs gateway, and their ratio).
+Results are printed and written as JSON (default results/gateway_overhead.json).
+
+    .venv/bin/python benchmarks/gateway_overhead.py [--requests 200] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int) -> tuple[float, int]:
+    """Returns (ttft_s, content chunks received)."""
+    body = {
+        "model": "mock-model",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft = -1.0
+    chunks = 0
+    async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                            headers={"Content-Type": "application/json"}) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            obj = orjson.loads(line[6:])
+            choices = obj.get("choices") or []
+            if choices and choices[0].get("delta", {}).get("content"):
+                if ttft < 0:
+                    ttft = time.perf_counter() - t0
+                chunks += 1
+    if chunks != tokens:
+        raise RuntimeError(f"expected {tokens} content chunks, got {chunks}")
+    return ttft, chunks
+
+
+async def ttft_sequential(url: str, n: int, tokens: int) -> list[float]:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(5):  # warm-up: connections, caches
+            await one_stream(s, url, tokens)
+        return [(await one_stream(s, url, tokens))[0] for _ in range(n)]
+
+
+async def throughput(url: str, concurrency: int, per_worker: int, tokens: int) -> float:
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        await asyncio.gather(*(one_stream(s, url, tokens) for _ in range(min(concurrency, 16))))
+
+        async def worker() -> int:
+            return sum([(await one_stream(s, url, tokens))[1] for _ in range(per_worker)])
+
+        t0 = time.perf_counter()
+        total = sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
+        return total / (time.perf_counter() - t0)
+
+
+def wait_http(url: str, timeout_s: float = 30.0) -> None:
+    async def probe() -> None:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as s:
+            while True:
+                try:
+                    async with s.get(url) as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} not up after {timeout_s}s")
+                await asyncio.sleep(0.1)
+
+    asyncio.run(probe())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="gateway overhead vs a direct connection")
+    ap.add_argument("--requests", type=int, default=200, help="sequential requests for the TTFT figures")
+    ap.add_argument("--tokens", type=int, default=64, help="chunks per stream")
+    ap.add_argument("--per-worker", type=int, default=4, help="streams per worker in the throughput runs")
+    ap.add_argument("--output", type=Path, default=REPO / "results" / "gateway_overhead.json")
+    args = ap.parse_args()
+
+    up_port, gw_port = free_port(), free_port()
+    direct, via = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
+    py = sys.executable
+    procs = [subprocess.Popen([py, str(REPO / "benchmarks" / "mock_upstream.py"), "--port", str(up_port)])]
+    try:
+        wait_http(direct + "/v1/models")
+        gw = subprocess.Popen([py, "-m", "gateway", "--port", str(gw_port), "--policy", "round_robin",
+                               "--upstream", direct], cwd=REPO, stdout=subprocess.DEVNULL)
+        procs.append(gw)
+        wait_http(via + "/health")
+
+        res: dict[str, object] = {"tokens_per_stream": args.tokens, "cpu_cores": os.cpu_count()}
+        d = asyncio.run(ttft_sequential(direct, args.requests, args.tokens))
+        cpu0 = cpu_seconds(gw.pid)
+        g = asyncio.run(ttft_sequential(via, args.requests, args.tokens))
+        cpu1 = cpu_seconds(gw.pid)
+        res["concurrency_1"] = {
+            "direct_ttft_p50_ms": percentile(d, 0.5) * 1e3,
+            "direct_ttft_p99_ms": percentile(d, 0.99) * 1e3,
+            "gateway_ttft_p50_ms": percentile(g, 0.5) * 1e3,
+            "gateway_ttft_p99_ms": percentile(g, 0.99) * 1e3,
+            "added_ttft_p50_ms": (percentile(g, 0.5) - percentile(d, 0.5)) * 1e3,
+            "added_ttft_p99_ms": (percentile(g, 0.99) - percentile(d, 0.99)) * 1e3,
+            "gateway_cpu_ms_per_request": (cpu1 - cpu0) / (args.requests + 5) * 1e3,
+            "requests": args.requests,
+            "direct_ttft_mean_ms": statistics.fmean(d) * 1e3,
+        }
+        for conc in (64, 256):
+            td = asyncio.run(throughput(direct, conc, args.per_worker, args.tokens))
+            c0 = cpu_seconds(gw.pid)
+            tg = asyncio.run(throughput(via, conc, args.per_worker, args.tokens))
+            c1 = cpu_seconds(gw.pid)
+            n_req = conc * args.per_worker + min(conc, 16)
+            res[f"concurrency_{conc}"] = {
+                "direct_chunks_per_s": td,
+                "gateway_chunks_per_s": tg,
+                "gateway_over_direct": tg / td,
+                "gateway_cpu_ms_per_request": (c1 - c0) / n_req * 1e3,
+            }
+        print(json.dumps(res, indent=2))
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(res, indent=2))
+        print(f"wrote {args.output}")
+        return 0
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=15)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

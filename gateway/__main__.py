@@ -1,0 +1,141 @@
+"""Command line of the gateway: `python -m gateway --port 8000 --policy round_robin --engine HOST:PORT ...`.
+
+Owns: flags (only those given override the file and the environment), one-line operator errors (exit 2),
+logging set-up, and the event loop: uvloop is installed here and nowhere else. `main(argv, prog=...)` is what
+`switchyard gateway ...` delegates to.
+Must not: wire components (that is `gateway.app`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gateway.app import serve
+from gateway.config import ConfigError, GatewayConfig, build_config
+
+
+def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run the Switchyard gateway. Precedence: defaults < --config file < SWITCHYARD_GATEWAY_* "
+        "environment < flags.",
+    )
+    p.add_argument("--config", metavar="PATH", help="YAML or JSON file with the config tree")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--policy", help="routing policy name, e.g. round_robin, least_loaded, session_affinity")
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        metavar="KEY=VALUE",
+        help="policy parameter (VALUE parsed as JSON, else a string); repeatable",
+    )
+    p.add_argument("--engine", action="append", metavar="HOST:PORT", help="engine agent (gRPC); repeatable")
+    p.add_argument("--upstream", action="append", metavar="URL", help="OpenAI-compatible server; repeatable")
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--request-timeout-s", type=float)
+    p.add_argument("--drain-timeout-s", type=float)
+    p.add_argument("--stale-after-s", type=float)
+    p.add_argument("--session-ttl-s", type=float)
+    p.add_argument("--max-dispatch-attempts", type=int)
+    p.add_argument("--slo-ttft-ms", type=float, help="default TTFT target when a request sends none")
+    p.add_argument("--slo-tpot-ms", type=float, help="default TPOT target when a request sends none")
+    p.add_argument(
+        "--allow-policy-override",
+        action="store_true",
+        default=None,
+        help="honour the x-switchyard-policy request header",
+    )
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _policy_params(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"policy.params: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys the given flags set (absent flags leave file/env values alone)."""
+    out: dict[str, Any] = {}
+    simple = (
+        "host",
+        "port",
+        "max_body_bytes",
+        "request_timeout_s",
+        "drain_timeout_s",
+        "stale_after_s",
+        "session_ttl_s",
+        "max_dispatch_attempts",
+        "allow_policy_override",
+        "log_level",
+    )
+    for name in simple:
+        value = getattr(args, name)
+        if value is not None:
+            out[name] = value
+    if args.engine:
+        out["engines"] = args.engine
+    if args.upstream:
+        out["upstreams"] = args.upstream
+    policy: dict[str, Any] = {}
+    if args.policy is not None:
+        policy["name"] = args.policy
+    if args.policy_param:
+        policy["params"] = _policy_params(args.policy_param)
+    if policy:
+        out["policy"] = policy
+    slo = {k: v for k, v in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms)) if v is not None}
+    if slo:
+        out["slo"] = slo
+    return out
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop  # noqa: PLC0415 (installed in __main__ only, by the style guide)
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def configure_logging(config: GatewayConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gateway") -> int:
+    args = build_argparser(prog).parse_args(argv)
+    try:
+        config = build_config(file_path=args.config, environ=os.environ, cli=cli_overrides(args))
+        if not config.engines and not config.upstreams:
+            raise ConfigError(
+                "no engines: pass --engine HOST:PORT or --upstream URL (or set them in --config)"
+            )
+        configure_logging(config)
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(serve(config))
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

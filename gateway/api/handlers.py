@@ -1,0 +1,292 @@
+"""HTTP endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`.
+
+Owns: reading the body under the size limit, request ids (`x-request-id` echoed when well-formed, else
+assigned; it is also the response id's suffix), routing hints from headers (`x-session-id`, `x-slo-ttft-ms`,
+`x-slo-tpot-ms`, `x-priority`, `x-switchyard-policy` when the config allows overrides), mapping every failure
+to the OpenAI error shape (HTTP status before the first byte, an SSE error event after it), and request
+metrics.
+Must not: choose engines or talk to them (the dispatcher does), or format chunks (openai_format does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from gateway.api import errors
+from gateway.api.errors import ApiError
+from gateway.api.openai_format import ChatFormat, CompletionFormat
+from gateway.api.relay import CollectRelay, StreamRelay
+from gateway.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    engine_requests,
+    parse_chat,
+    parse_completion,
+)
+from gateway.config import GatewayConfig
+from gateway.dispatch.dispatcher import ClientDisconnected, Dispatcher, NoEngineAvailable, RequestTimedOut
+from gateway.dispatch.features import RoutingHints
+from gateway.dispatch.policy_set import UnknownPolicy
+from gateway.engines.base import EngineRequestError, EngineStreamError
+from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics
+from switchyard.clock import Clock
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+STATUS_CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in the status label only
+
+
+class FleetView(Protocol):
+    """What the API shows of the fleet (the cluster store implements it)."""
+
+    def models(self) -> Collection[str]: ...
+
+    def ready_count(self) -> int: ...
+
+
+@dataclass
+class ApiHandlers:
+    config: GatewayConfig
+    dispatcher: Dispatcher
+    fleet: FleetView
+    metrics: GatewayMetrics
+    clock: Clock
+    wall_clock: Clock
+    draining: bool = False
+    _inflight_ids: set[str] = field(default_factory=set)
+    _inflight_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _drain_timer: asyncio.TimerHandle | None = None
+
+    def begin_drain(self, deadline_s: float) -> None:
+        """Answer /health 503 from now on; requests still running after `deadline_s` end with a clean
+        `shutting_down` error (an SSE error event + [DONE], or a 503 body) instead of a cut connection."""
+        self.draining = True
+        self.dispatcher.begin_shutdown()
+        loop = asyncio.get_running_loop()
+        self._drain_timer = loop.call_later(deadline_s, self._cancel_inflight)
+
+    def end_drain(self) -> None:
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
+
+    def _cancel_inflight(self) -> None:
+        if self._inflight_tasks:
+            log.warning("drain deadline passed: ending %d request(s)", len(self._inflight_tasks))
+        for task in self._inflight_tasks:
+            task.cancel()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "switchyard"}
+            for m in sorted(self.fleet.models())
+        ]
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready = self.fleet.ready_count()
+        ok = ready >= 1 and not self.draining
+        body = {
+            "status": "ok" if ok else ("draining" if self.draining else "no_engine"),
+            "engines_ready": ready,
+        }
+        return web.Response(
+            status=200 if ok else 503, body=orjson.dumps(body), content_type="application/json"
+        )
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival_s = self.clock.now()
+        request_id = _request_id(request)
+        headers = {"x-request-id": request_id}
+        model_label = "unknown"  # only served model names become label values
+        status = 500
+        relay: StreamRelay | CollectRelay | None = None
+        # Engine-side ids must be unique among in-flight requests even when clients reuse an x-request-id.
+        engine_request_id = request_id
+        if engine_request_id in self._inflight_ids:
+            engine_request_id = f"{request_id}+{uuid.uuid4().hex[:8]}"
+        self._inflight_ids.add(engine_request_id)
+        task = asyncio.current_task()
+        if task is not None:
+            self._inflight_tasks.add(task)
+        self.metrics.in_flight.inc()
+        try:
+            body = await self._read_body(request)
+            parsed: ChatCompletionRequest | CompletionRequest = (
+                parse_chat(body) if chat else parse_completion(body)
+            )
+            hints = self._hints(request, arrival_s)
+            self._check_model(parsed.model)
+            model_label = parsed.model
+            reqs = engine_requests(
+                parsed,
+                request_id=engine_request_id,
+                slo_ttft_ms=None if hints.slo_ttft_s is None else hints.slo_ttft_s * 1e3,
+                slo_tpot_ms=None if hints.slo_tpot_s is None else hints.slo_tpot_s * 1e3,
+                priority=hints.priority,
+                session_id=hints.session_id,
+            )
+            fmt_cls = ChatFormat if chat else CompletionFormat
+            fmt = fmt_cls(request_id, int(self.wall_clock.now()), parsed.model, parsed.include_usage)
+            if parsed.stream:
+                relay = StreamRelay(request, fmt, parsed.n, parsed.include_usage, headers)
+                await self.dispatcher.run(reqs, hints, relay)
+                await relay.finish()
+                status = 200
+                return relay.response
+            relay = CollectRelay(request, fmt, parsed.n)
+            await self.dispatcher.run(reqs, hints, relay)
+            status = 200
+            return web.Response(
+                body=orjson.dumps(relay.body()), content_type="application/json", headers=headers
+            )
+        except ClientDisconnected:
+            status = STATUS_CLIENT_CLOSED
+            return relay.response if isinstance(relay, StreamRelay) else web.Response(status=status)
+        except asyncio.CancelledError:
+            status = STATUS_CLIENT_CLOSED
+            if not self.draining or task is None:
+                raise
+            # Our own drain deadline cancelled us (see `begin_drain`): answer cleanly instead of cutting off.
+            task.uncancel()
+            err = errors.shutting_down()
+            status = err.status
+            if isinstance(relay, StreamRelay) and relay.started:
+                await relay.fail(err)
+                return relay.response
+            return errors.error_response(err, headers)
+        except Exception as e:  # every failure becomes an OpenAI error; unknown ones are logged as bugs
+            err = self._to_api_error(e, model_label, request_id)
+            status = err.status
+            if isinstance(relay, StreamRelay) and relay.started:
+                await relay.fail(err)
+                return relay.response
+            return errors.error_response(err, headers)
+        finally:
+            self._inflight_ids.discard(engine_request_id)
+            if task is not None:
+                self._inflight_tasks.discard(task)
+            self.metrics.in_flight.dec()
+            self.metrics.observe_request(model_label, status)
+
+    def _to_api_error(self, e: Exception, model: str, request_id: str) -> ApiError:
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, NoEngineAvailable):
+            log.warning("request %s: %s", request_id, e)
+            return errors.no_engine(model)
+        if isinstance(e, RequestTimedOut):
+            return errors.timed_out(self.dispatcher.request_timeout_s)
+        if isinstance(e, UnknownPolicy):
+            return errors.bad_request(str(e), "x-switchyard-policy")
+        if isinstance(e, EngineRequestError):
+            return errors.bad_request(str(e))
+        if isinstance(e, EngineStreamError):
+            log.warning("request %s: engine failed mid-stream: %s", request_id, e)
+            return errors.engine_failure(str(e))
+        log.exception("request %s: internal error", request_id, exc_info=e)
+        return errors.internal_error()
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise errors.request_too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_chunked(64 * 1024):
+            size += len(chunk)
+            if size > limit:
+                raise errors.request_too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str) -> None:
+        served = self.fleet.models()
+        if model in served:
+            return
+        if not served:
+            raise errors.no_engine(model)
+        raise errors.model_not_found(model)
+
+    def _hints(self, request: web.Request, arrival_s: float) -> RoutingHints:
+        h = request.headers
+        slo = self.config.slo
+        ttft_ms = _positive_float(h, "x-slo-ttft-ms", slo.ttft_ms)
+        tpot_ms = _positive_float(h, "x-slo-tpot-ms", slo.tpot_ms)
+        priority_raw = h.get("x-priority")
+        try:
+            priority = int(priority_raw) if priority_raw is not None else 0
+        except ValueError:
+            raise errors.bad_request("x-priority must be an integer", "x-priority") from None
+        policy = h.get("x-switchyard-policy") if self.config.allow_policy_override else None
+        return RoutingHints(
+            arrival_s=arrival_s,
+            session_id=h.get("x-session-id", "")[:256],
+            slo_ttft_s=None if ttft_ms is None else ttft_ms / 1e3,
+            slo_tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
+            priority=priority,
+            policy_name=policy or None,
+        )
+
+
+def _positive_float(headers: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise errors.bad_request(f"{name} must be a number of milliseconds", name) from None
+    if not value > 0 or value == float("inf"):
+        raise errors.bad_request(f"{name} must be positive and finite", name)
+    return value
+
+
+def _request_id(request: web.Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given is not None and _REQUEST_ID.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown routes and methods answer in the OpenAI error shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed:
+        return errors.error_response(errors.method_not_allowed(request.method, request.path))
+    except web.HTTPNotFound:
+        return errors.error_response(errors.not_found_route(request.path))

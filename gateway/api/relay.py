@@ -1,0 +1,128 @@
+"""Event sinks that turn engine events into an OpenAI response: an SSE stream, or one JSON body.
+
+Owns: `StreamRelay` (headers at the first event, per-choice role chunk, content chunks, finish chunk, optional
+usage chunk, `[DONE]`; an error after the first byte becomes an error event + `[DONE]`), `CollectRelay`
+(accumulates n choices into one body) and `UsageTally` (usage summed over choices, prompt counted once, as
+OpenAI reports n > 1). Both raise `ClientDisconnected` when the client is gone, so the dispatcher stops the
+engines.
+Must not: route, retry, or read engine transports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from gateway.api.errors import ApiError
+from gateway.api.openai_format import ResponseFormat, usage_object
+from gateway.api.sse import SseWriter
+from gateway.dispatch.dispatcher import ClientDisconnected
+from gateway.engines.base import Admitted, Delta, EngineEvent, Finished
+
+
+class UsageTally:
+    def __init__(self, n: int) -> None:
+        self.prompt_tokens = [0] * n
+        self.cached_tokens = [0] * n
+        self.completion_tokens = [0] * n
+
+    def note(self, index: int, event: EngineEvent) -> None:
+        if isinstance(event, Admitted):
+            self.prompt_tokens[index] = event.prompt_tokens
+        elif isinstance(event, Finished):
+            self.prompt_tokens[index] = event.prompt_tokens or self.prompt_tokens[index]
+            self.cached_tokens[index] = event.cached_tokens
+            self.completion_tokens[index] = event.completion_tokens
+
+    def usage(self) -> dict[str, Any]:
+        # n choices share one prompt: count it once (choice 0's figures), completions summed.
+        return usage_object(self.prompt_tokens[0], sum(self.completion_tokens), self.cached_tokens[0])
+
+
+class StreamRelay:
+    """`stream: true`: chunks as events arrive. Headers go out with the first event, so errors before it can
+    still be answered with a proper HTTP status."""
+
+    def __init__(
+        self,
+        request: web.BaseRequest,
+        fmt: ResponseFormat,
+        n: int,
+        include_usage: bool,
+        headers: Mapping[str, str],
+    ) -> None:
+        self._sse = SseWriter(request, headers)
+        self._fmt = fmt
+        self._opened = [False] * n
+        self._include_usage = include_usage
+        self.tally = UsageTally(n)
+
+    @property
+    def started(self) -> bool:
+        return self._sse.started
+
+    @property
+    def response(self) -> web.StreamResponse:
+        return self._sse.response
+
+    async def on_event(self, index: int, event: EngineEvent) -> None:
+        try:
+            if not self._opened[index]:
+                self._opened[index] = True
+                await self._sse.start()
+                opening = self._fmt.opening(index)
+                if opening is not None:
+                    await self._sse.send(opening)
+            if isinstance(event, Delta):
+                if event.text:
+                    await self._sse.send(self._fmt.content(index, event.text))
+            elif isinstance(event, Finished):
+                self.tally.note(index, event)
+                await self._sse.send(self._fmt.finish(index, event.finish_reason))
+            else:
+                self.tally.note(index, event)
+        except ConnectionResetError as e:
+            raise ClientDisconnected(str(e)) from e
+
+    async def finish(self) -> None:
+        try:
+            if self._include_usage:
+                await self._sse.send(self._fmt.usage_chunk(self.tally.usage()))
+            await self._sse.done()
+        except ConnectionResetError as e:
+            raise ClientDisconnected(str(e)) from e
+
+    async def fail(self, err: ApiError) -> None:
+        """After the first byte: the error as an event, then `[DONE]` (a gone client is not an error here)."""
+        try:
+            await self._sse.send_error(err.body())
+            await self._sse.response.write_eof()
+        except ConnectionResetError:
+            pass
+
+
+class CollectRelay:
+    """`stream: false`: accumulate every choice, answer one JSON body at the end."""
+
+    def __init__(self, request: web.BaseRequest, fmt: ResponseFormat, n: int) -> None:
+        self._request = request
+        self._fmt = fmt
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._finish_reasons = ["stop"] * n
+        self.tally = UsageTally(n)
+
+    async def on_event(self, index: int, event: EngineEvent) -> None:
+        transport = self._request.transport
+        if transport is None or transport.is_closing():
+            raise ClientDisconnected("client closed the connection")
+        if isinstance(event, Delta):
+            self._texts[index].append(event.text)
+        else:
+            self.tally.note(index, event)
+            if isinstance(event, Finished):
+                self._finish_reasons[index] = event.finish_reason
+
+    def body(self) -> dict[str, Any]:
+        return self._fmt.body(["".join(t) for t in self._texts], self._finish_reasons, self.tally.usage())

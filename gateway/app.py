@@ -1,0 +1,187 @@
+"""The gateway's composition root: the only place that wires store, policies, dispatcher, metrics and API.
+
+Owns: `build_app` (typed `AppKey`s; background work born in `cleanup_ctx`: the cluster store's watch tasks and
+the upstreams' HTTP session), the engine clients built from config (engine id = the configured address), and
+`serve` (listen, then on SIGTERM/SIGINT: stop accepting, `/health` turns 503, in-flight streams drain for up
+to `drain_timeout_s`, then remaining handlers are cancelled, which closes their engine streams; last the store
+stops and the clients close).
+Must not: hold module-level state, install an event loop policy (`__main__` does), or contain request logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+
+from gateway.api.handlers import ApiHandlers, openai_error_middleware
+from gateway.api.openai_format import WallClock
+from gateway.cluster.snapshot import EngineId
+from gateway.cluster.store import ClusterStore
+from gateway.config import ConfigError, GatewayConfig, log_effective_config
+from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.policy_set import PolicySet
+from gateway.engines.base import EngineClient
+from gateway.engines.grpc_client import GrpcEngineClient
+from gateway.engines.openai_upstream import OpenAIUpstreamClient
+from gateway.observability.metrics import GatewayMetrics
+from gateway.policies.registry import POLICY_NAMES, make_policy
+from switchyard.clock import Clock, MonotonicClock
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = web.AppKey("config", GatewayConfig)
+METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
+STORE_KEY = web.AppKey("store", ClusterStore)
+DISPATCHER_KEY = web.AppKey("dispatcher", Dispatcher)
+HANDLERS_KEY = web.AppKey("handlers", ApiHandlers)
+_DRAIN_GRACE_S = 1.0
+
+
+def build_app(
+    config: GatewayConfig,
+    *,
+    clock: Clock | None = None,
+    engine_clients: Mapping[EngineId, EngineClient] | None = None,
+    wall_clock: Clock | None = None,
+    rng: random.Random | None = None,
+) -> web.Application:
+    """The gateway app. `engine_clients` replaces the engines and upstreams of `config` (tests, embedding)."""
+    clock = clock or MonotonicClock()
+    log_effective_config(config, log)
+    try:
+        policies = PolicySet(make_policy, POLICY_NAMES, config.policy.name, config.policy.params)
+    except ValueError as e:
+        raise ConfigError(f"policy: {e}") from e
+    metrics = GatewayMetrics()
+    clients: dict[EngineId, EngineClient] = (
+        dict(engine_clients)
+        if engine_clients is not None
+        else {EngineId(address): GrpcEngineClient(address) for address in config.engines}
+    )
+    store = ClusterStore(
+        clients, clock, stale_after_s=config.stale_after_s, session_ttl_s=config.session_ttl_s
+    )
+    dispatcher = Dispatcher(
+        state=store,
+        policies=policies,
+        clock=clock,
+        rng=rng or random.Random(),
+        metrics=metrics,
+        max_attempts=config.max_dispatch_attempts,
+        request_timeout_s=config.request_timeout_s,
+    )
+    handlers = ApiHandlers(
+        config=config,
+        dispatcher=dispatcher,
+        fleet=store,
+        metrics=metrics,
+        clock=clock,
+        wall_clock=wall_clock or WallClock(),
+    )
+    app = web.Application(middlewares=[openai_error_middleware])
+    app[CONFIG_KEY] = config
+    app[METRICS_KEY] = metrics
+    app[STORE_KEY] = store
+    app[DISPATCHER_KEY] = dispatcher
+    app[HANDLERS_KEY] = handlers
+    handlers.add_routes(app)
+    upstreams = () if engine_clients is not None else config.upstreams
+    app.cleanup_ctx.append(_engines_ctx(upstreams))
+    app.on_shutdown.append(_begin_drain)
+    app.on_cleanup.append(_end_drain)
+    return app
+
+
+def _engines_ctx(upstreams: tuple[str, ...]) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        store, metrics = app[STORE_KEY], app[METRICS_KEY]
+        session = aiohttp.ClientSession() if upstreams else None
+        for url in upstreams:
+            store.add_engine(EngineId(url), OpenAIUpstreamClient(url, session=session))
+        metrics.attach_engine_state(store.snapshot)
+        await store.start()
+        try:
+            yield
+        finally:
+            await store.stop()  # cancels the watch tasks and closes every engine client
+            metrics.detach_engine_state()
+            if session is not None:
+                await session.close()
+
+    return ctx
+
+
+async def _begin_drain(app: web.Application) -> None:
+    app[HANDLERS_KEY].begin_drain(app[CONFIG_KEY].drain_timeout_s)
+    log.info(
+        "draining: no new connections; in-flight requests get up to %.1f s", app[CONFIG_KEY].drain_timeout_s
+    )
+
+
+async def _end_drain(app: web.Application) -> None:
+    app[HANDLERS_KEY].end_drain()
+
+
+async def serve(
+    config: GatewayConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_listening: Callable[[str], None] | None = None,
+    app: web.Application | None = None,
+    handle_signals: bool = True,
+) -> None:
+    """Run the gateway until `stop` is set (or SIGTERM/SIGINT, when `handle_signals`), then shut down
+    gracefully.
+
+    `on_listening` gets the base URL once the socket is bound (port 0 resolves to the real port)."""
+    app = app or build_app(config)
+    stop = stop or asyncio.Event()
+    # aiohttp's own deadline comes a little after ours (handlers' `begin_drain`), which ends stragglers with a
+    # clean error first; aiohttp's then only catches a handler that ignores cancellation.
+    # handler_cancellation: a client that goes away cancels its handler at once (even one waiting on a long
+    # prefill or a non-streamed answer), which closes the engine stream and aborts the request on the engine.
+    runner = web.AppRunner(
+        app,
+        shutdown_timeout=config.drain_timeout_s + _DRAIN_GRACE_S,
+        access_log=None,
+        handler_cancellation=True,
+    )
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        try:
+            await site.start()
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from e
+        port = _bound_port(runner, config.port)
+        base_url = f"http://{config.host}:{port}"
+        log.info("gateway listening on %s", base_url)
+        if on_listening is not None:
+            on_listening(base_url)
+        for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread / platform without signals
+                pass
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner, configured: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return configured

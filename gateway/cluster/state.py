@@ -1,0 +1,304 @@
+"""The pure, synchronous cluster state: what every engine last reported plus this gateway's own accounting.
+
+Owns: `ClusterState`: the engines (added by id), their descriptions, connection flags and last reports, the
+optimistic in-flight accounting (`note_dispatch` / `note_finish`), the session table, and `snapshot(now_s)`,
+the immutable `ClusterSnapshot` policies read (cached while nothing changed). The live gateway's
+`ClusterStore` drives it from its watch tasks and its clock; the discrete-event simulator drives it in virtual
+time (invariant I1: both give policies the same snapshots for the same events).
+Must not: import asyncio, grpc, aiohttp or time, read a clock (every time is an argument), do I/O, route, or
+drop an engine silently: a disconnected engine stays in the snapshot with `ready=False`, an engine without a
+recent report stays with `stale=True`.
+
+Unreported accounting: a dispatch counts in `unreported_*` until a report arrives that was taken on the engine
+after the dispatch. The engine's clock at dispatch time is estimated from the latest report of the current
+connection: engine_ts(dispatch) = report.engine_timestamp_s + (dispatch_now_s - report_received_s). A later
+report with engine_timestamp_s >= that estimate clears it; with no report yet on the connection, the first
+report clears it. `inflight_*` lasts until `note_finish`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView
+from gateway.engines.base import EngineDescription, EngineReport
+
+DEFAULT_BLOCK_SIZE = 16  # assumed until an engine describes itself
+
+
+@dataclass(slots=True, eq=False)  # compared by identity: one record per dispatch, even for a repeated id
+class _Dispatch:
+    tokens: int
+    engine_ts_estimate_s: float | None  # the engine's clock at dispatch time; None = no report to anchor to
+    reported: bool = False
+
+
+@dataclass(slots=True)
+class _Engine:
+    engine_id: EngineId
+    added_at_s: float
+    description: EngineDescription | None = None
+    connected: bool = False
+    report: EngineReport | None = None
+    report_received_s: float = 0.0
+    # Anchor for the engine clock, per connection (an engine that restarts may restart its clock and seq).
+    anchor_engine_ts_s: float | None = None
+    anchor_received_s: float = 0.0
+    # Request id -> its dispatches, oldest first (ids are normally unique; a client may still reuse one).
+    inflight: dict[str, list[_Dispatch]] = field(default_factory=dict)
+    unreported: list[_Dispatch] = field(default_factory=list)
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+    unreported_tokens: int = 0
+
+
+class ClusterState:
+    """The fleet as this gateway knows it; every method is synchronous and takes time as an argument."""
+
+    def __init__(
+        self,
+        *,
+        stale_after_s: float = 1.0,
+        session_ttl_s: float = 600.0,
+        max_sessions: int = 100_000,
+        snapshot_resolution_s: float = 0.005,
+    ) -> None:
+        """A cached snapshot is reused while nothing changed, no engine crossed its staleness boundary and it
+        is younger than `snapshot_resolution_s` (so `taken_at_s` / `state_age_s` lag `now_s` by at most that).
+        """
+        self._stale_after_s = stale_after_s
+        self._session_ttl_s = session_ttl_s
+        self._max_sessions = max_sessions
+        self._resolution_s = snapshot_resolution_s
+        self._engines: dict[EngineId, _Engine] = {}
+        self._order: tuple[_Engine, ...] = ()  # the engines sorted by id
+        self._sessions: OrderedDict[str, tuple[EngineId, float]] = OrderedDict()  # oldest use first
+        self._changed = True
+        self._cached: ClusterSnapshot | None = None
+        self._next_stale_s = float("inf")
+
+    # ---- membership and lifecycle events -----------------------------------------------------------------
+
+    def add_engine(self, engine_id: EngineId, now_s: float) -> None:
+        """Start tracking an engine (not ready until it connects and reports); ValueError if known."""
+        if engine_id in self._engines:
+            raise ValueError(f"engine {engine_id!r} is already in the store")
+        self._engines[engine_id] = _Engine(engine_id=engine_id, added_at_s=now_s)
+        self._order = tuple(self._engines[e] for e in sorted(self._engines))
+        self._changed = True
+
+    def remove_engine(self, engine_id: EngineId) -> None:
+        """Forget an engine and its accounting (an explicit act); KeyError when unknown."""
+        del self._engines[engine_id]
+        self._order = tuple(self._engines[e] for e in sorted(self._engines))
+        self._changed = True
+
+    def on_describe(self, engine_id: EngineId, description: EngineDescription) -> None:
+        self._engines[engine_id].description = description
+        self._changed = True
+
+    def on_connect(self, engine_id: EngineId) -> None:
+        """The engine's state stream delivered its first report of a connection (call before `on_report`)."""
+        self._engines[engine_id].connected = True
+        self._changed = True
+
+    def on_disconnect(self, engine_id: EngineId) -> None:
+        """The state stream ended: not ready until it reconnects; the next report sets a new clock anchor."""
+        state = self._engines[engine_id]
+        state.connected = False
+        state.anchor_engine_ts_s = None
+        self._changed = True
+
+    def on_report(self, engine_id: EngineId, report: EngineReport, received_at_s: float) -> None:
+        """Record a state report received at `received_at_s`; duplicates and out-of-order reports of one
+        connection (seq not above the last) are ignored."""
+        state = self._engines[engine_id]
+        previous = state.report
+        if state.anchor_engine_ts_s is not None and previous is not None and report.seq <= previous.seq:
+            return
+        state.report = report
+        state.report_received_s = received_at_s
+        if state.anchor_engine_ts_s is None or report.engine_timestamp_s > state.anchor_engine_ts_s:
+            engine_ts_s = report.engine_timestamp_s
+            if state.unreported:
+                still_unreported = []
+                for d in state.unreported:
+                    if d.engine_ts_estimate_s is None or engine_ts_s >= d.engine_ts_estimate_s:
+                        d.reported = True
+                        state.unreported_tokens -= d.tokens
+                    else:
+                        still_unreported.append(d)
+                state.unreported = still_unreported
+            state.anchor_engine_ts_s = engine_ts_s
+            state.anchor_received_s = received_at_s
+        self._changed = True
+
+    # ---- optimistic accounting and sessions ----------------------------------------------------------------
+
+    def note_dispatch(
+        self,
+        engine_id: EngineId,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        session_id: str,
+        now_s: float,
+    ) -> None:
+        """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there."""
+        state = self._engines.get(engine_id)
+        if state is None:
+            raise KeyError(f"unknown engine {engine_id!r}")
+        estimate_s = None
+        if state.anchor_engine_ts_s is not None:
+            estimate_s = state.anchor_engine_ts_s + (now_s - state.anchor_received_s)
+        dispatch = _Dispatch(max(0, prompt_tokens) + max(0, max_tokens), estimate_s)
+        state.inflight.setdefault(request_id, []).append(dispatch)
+        state.inflight_requests += 1
+        state.inflight_tokens += dispatch.tokens
+        state.unreported.append(dispatch)
+        state.unreported_tokens += dispatch.tokens
+        if session_id:
+            self._sessions[session_id] = (engine_id, now_s)
+            self._sessions.move_to_end(session_id)
+            self.prune_sessions(now_s)
+        self._changed = True
+
+    def note_finish(self, engine_id: EngineId, request_id: str) -> None:
+        """Forget a dispatched request (its oldest dispatch if the id was reused); unknown ids are ignored."""
+        state = self._engines.get(engine_id)
+        if state is None:
+            return
+        dispatches = state.inflight.get(request_id)
+        if not dispatches:
+            return
+        dispatch = dispatches.pop(0)
+        if not dispatches:
+            del state.inflight[request_id]
+        state.inflight_requests -= 1
+        state.inflight_tokens -= dispatch.tokens
+        if not dispatch.reported:
+            state.unreported.remove(dispatch)
+            state.unreported_tokens -= dispatch.tokens
+        self._changed = True
+
+    def session_lookup(self, session_id: str, now_s: float) -> tuple[EngineId | None, float]:
+        """(engine that last served the session, when) or (None, 0.0) when unknown or older than the TTL."""
+        entry = self._sessions.get(session_id)
+        if entry is None or now_s - entry[1] > self._session_ttl_s:
+            return None, 0.0
+        return entry
+
+    def prune_sessions(self, now_s: float) -> int:
+        """Drop sessions unused for over the TTL and the oldest beyond `max_sessions`; returns how many."""
+        dropped = 0
+        sessions = self._sessions
+        while sessions:
+            _, (_, last_used_s) = next(iter(sessions.items()))
+            if now_s - last_used_s <= self._session_ttl_s and len(sessions) <= self._max_sessions:
+                break
+            sessions.popitem(last=False)
+            dropped += 1
+        return dropped
+
+    # ---- reads ---------------------------------------------------------------------------------------------
+
+    def snapshot(self, now_s: float) -> ClusterSnapshot:
+        """The fleet at `now_s`, engines ordered by id (the cached one when still valid, see `__init__`)."""
+        cached = self._cached
+        if (
+            cached is not None
+            and not self._changed
+            and now_s < self._next_stale_s
+            and now_s - cached.taken_at_s < self._resolution_s
+        ):
+            return cached
+        next_stale_s = float("inf")
+        stale_after_s = self._stale_after_s
+        views: list[EngineView] = []
+        view_of = self._view
+        for state in self._order:
+            view = view_of(state, now_s)
+            if state.report is not None and not view.stale:
+                boundary_s = state.report_received_s + stale_after_s
+                if boundary_s < next_stale_s:
+                    next_stale_s = boundary_s
+            views.append(view)
+        snapshot = ClusterSnapshot(taken_at_s=now_s, engines=tuple(views))
+        self._cached = snapshot
+        self._next_stale_s = next_stale_s
+        self._changed = False
+        return snapshot
+
+    def _view(self, state: _Engine, now_s: float) -> EngineView:
+        desc, report = state.description, state.report
+        block_size = desc.block_size if desc is not None and desc.block_size > 0 else DEFAULT_BLOCK_SIZE
+        max_num_seqs = desc.max_num_seqs if desc is not None else 0
+        if report is None:
+            return EngineView(
+                engine_id=state.engine_id,
+                model=desc.model if desc is not None else "",
+                profile=desc.profile if desc is not None else "",
+                backend=desc.backend if desc is not None else "",
+                role=desc.role if desc is not None else "",
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                inflight_requests=state.inflight_requests,
+                inflight_tokens=state.inflight_tokens,
+                unreported_requests=len(state.unreported),
+                unreported_tokens=state.unreported_tokens,
+                ready=False,
+                stale=True,
+                state_age_s=now_s - state.added_at_s,
+            )
+        age_s = now_s - state.report_received_s
+        return EngineView(  # the latest report wins for identity: roles and profiles can change while running
+            engine_id=state.engine_id,
+            model=report.model,
+            profile=report.profile,
+            backend=report.backend,
+            role=report.role,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            inflight_requests=state.inflight_requests,
+            inflight_tokens=state.inflight_tokens,
+            unreported_requests=len(state.unreported),
+            unreported_tokens=state.unreported_tokens,
+            ready=state.connected and report.ready and not report.draining,
+            stale=age_s > self._stale_after_s,
+            state_age_s=age_s,
+            seq=report.seq,
+            num_running=report.num_running,
+            num_waiting=report.num_waiting,
+            kv_blocks_total=report.kv_blocks_total,
+            kv_blocks_free=report.kv_blocks_free,
+            kv_blocks_reserved=report.kv_blocks_reserved,
+            pending_prefill_tokens=report.pending_prefill_tokens,
+            running_batch_tokens=report.running_batch_tokens,
+            predicted_batch_latency_s=report.predicted_batch_latency_s,
+            pending_work_tokens=report.pending_work_tokens,
+            effective_free_kv_blocks=report.effective_free_kv_blocks,
+            peak_throughput_tokens_per_s=report.peak_throughput_tokens_per_s,
+        )
+
+    def engine_ids(self) -> tuple[EngineId, ...]:
+        return tuple(state.engine_id for state in self._order)
+
+    def __contains__(self, engine_id: object) -> bool:
+        return engine_id in self._engines
+
+    def is_connected(self, engine_id: EngineId) -> bool:
+        return self._engines[engine_id].connected
+
+    def models(self) -> tuple[str, ...]:
+        """Served model names (from the engines' descriptions), sorted."""
+        engines = self._engines.values()
+        return tuple(sorted({s.description.model for s in engines if s.description is not None}))
+
+    def descriptions(self) -> Mapping[EngineId, EngineDescription]:
+        return {eid: s.description for eid, s in self._engines.items() if s.description is not None}
+
+    def latest_reports(self) -> Mapping[EngineId, EngineReport]:
+        """The last report of each engine that has reported."""
+        return {eid: s.report for eid, s in self._engines.items() if s.report is not None}

@@ -1,0 +1,185 @@
+"""The gateway's one configuration tree: typed, frozen, unknown keys rejected.
+
+Owns: `GatewayConfig` and its sub-models, loading from a YAML or JSON file, the environment overrides (applied
+in `env_overrides`, the only place the environment is read), merging CLI flags, and the path-named
+`ConfigError`. Precedence, lowest first: defaults on the models < file < environment < CLI flags.
+Must not: import aiohttp, grpc or the policies; start anything; silently rewrite a value (validators reject).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "SWITCHYARD_GATEWAY_"
+MIB = 1024 * 1024
+
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+def _check_host_port(address: str) -> str:
+    m = _HOST_PORT.match(address)
+    if m is None or not 0 < int(m.group("port")) < 65536:
+        raise ValueError(f"invalid engine address {address!r} (expected host:port)")
+    return address
+
+
+def _check_url(url: str) -> str:
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
+        raise ValueError(f"invalid upstream URL {url!r} (expected http(s)://host:port[/path])")
+    return url
+
+
+EngineAddress = Annotated[str, AfterValidator(_check_host_port)]
+UpstreamUrl = Annotated[str, AfterValidator(_check_url)]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names each bad field by its path (`engines.1: ...`)."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PolicyConfig(_Frozen):
+    name: str = Field("round_robin", min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SloConfig(_Frozen):
+    """Defaults applied when a request carries no `x-slo-*` header (None = no target)."""
+
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+
+class GatewayConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
+    policy: PolicyConfig = PolicyConfig()
+    engines: tuple[EngineAddress, ...] = ()  # Switchyard engine agents (gRPC)
+    upstreams: tuple[UpstreamUrl, ...] = ()  # plain OpenAI-compatible servers
+    max_body_bytes: int = Field(4 * MIB, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    stale_after_s: float = Field(5.0, gt=0)
+    session_ttl_s: float = Field(600.0, gt=0)
+    max_dispatch_attempts: int = Field(3, ge=1, le=16)
+    slo: SloConfig = SloConfig()
+    allow_policy_override: bool = False  # honour the x-switchyard-policy request header
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @model_validator(mode="after")
+    def _no_duplicate_backends(self) -> GatewayConfig:
+        for name, values in (("engines", self.engines), ("upstreams", self.upstreams)):
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: duplicate entries")
+        return self
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        path = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{path}: {msg}")
+    return "; ".join(lines)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a `.json`, `.yaml` or `.yml` file (YAML needs PyYAML)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror}") from e
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml  # noqa: PLC0415 (optional: only YAML files need it)
+        except ImportError as e:
+            raise ConfigError(f"{p}: YAML config needs PyYAML; use a .json file instead") from e
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: cannot parse YAML: {e}") from e
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{p}: cannot parse JSON: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+_LIST_FIELDS = frozenset({"engines", "upstreams"})
+_JSON_FIELDS = frozenset({"params"})
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Overrides from `SWITCHYARD_GATEWAY_*` variables; `__` nests (`SWITCHYARD_GATEWAY_POLICY__NAME`).
+
+    List fields take comma-separated values; `POLICY__PARAMS` takes a JSON object. Unknown names reach the
+    model and are rejected there like an unknown file key.
+    """
+    out: dict[str, Any] = {}
+    for key in sorted(environ):
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = [part.lower() for part in key[len(ENV_PREFIX) :].split("__")]
+        raw = environ[key]
+        value: Any = raw
+        if path[-1] in _LIST_FIELDS:
+            value = [v.strip() for v in raw.split(",") if v.strip()]
+        elif path[-1] in _JSON_FIELDS:
+            try:
+                value = json.loads(raw)
+            except ValueError as e:
+                raise ConfigError(f"{key}: not valid JSON: {e}") from e
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` on top of `base`; nested mappings merge, everything else replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_config(
+    *,
+    file_path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+) -> GatewayConfig:
+    """Defaults < file < environment < CLI flags, validated once. Raises `ConfigError` naming bad paths."""
+    raw: dict[str, Any] = read_config_file(file_path) if file_path is not None else {}
+    if environ is not None:
+        raw = deep_merge(raw, env_overrides(environ))
+    if cli:
+        raw = deep_merge(raw, cli)
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from e
+
+
+def log_effective_config(config: GatewayConfig, logger: logging.Logger) -> None:
+    logger.info("effective config: %s", config.model_dump_json())

@@ -1,0 +1,248 @@
+"""`EngineClient` over gRPC to a Switchyard engine agent.
+
+Owns: the grpc.aio channel to one agent (keepalive on, created lazily inside the running loop) and the
+translation between the gateway's engine types (`gateway.engines.base`) and the generated proto messages. This
+is the only gateway module that imports `engine_agent.proto_gen` (checked by tests/unit/test_import_rules.py).
+Error mapping of `generate`: a failure before the first event is `EngineUnavailable` (safe to retry
+elsewhere), except INVALID_ARGUMENT, which is `EngineRequestError` (the API answers 400); a failure after the
+first event is `EngineStreamError`. Closing the generator early cancels the RPC, and the agent aborts the
+request.
+Must not: know about routing, SSE or the HTTP API; retry (dispatch decides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Literal, cast
+
+import grpc
+import grpc.aio
+
+from engine_agent.proto_gen import engine_agent_pb2 as pb
+from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
+from gateway.cluster.snapshot import EngineId
+from gateway.engines.base import (
+    Admitted,
+    Delta,
+    EngineDescription,
+    EngineEvent,
+    EngineReport,
+    EngineRequest,
+    EngineRequestError,
+    EngineStreamError,
+    EngineUnavailable,
+    Finished,
+)
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+_FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort", "error"})
+
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+
+def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        max_tokens=request.max_tokens,
+        min_tokens=request.min_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stop=list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+    )
+    if request.seed is not None:
+        sampling.seed = request.seed
+    message = pb.GenerateRequest(
+        request_id=request.request_id,
+        sampling=sampling,
+        slo=pb.SloTargets(ttft_ms=request.slo_ttft_ms, tpot_ms=request.slo_tpot_ms),
+        priority=request.priority,
+        target_output_tokens=request.target_output_tokens,
+        session_id=request.session_id,
+    )
+    if request.messages is not None:
+        message.chat.CopyFrom(
+            pb.ChatPrompt(
+                messages=[pb.ChatMessage(role=t.role, content=t.content) for t in request.messages],
+                add_generation_prompt=True,
+            )
+        )
+    elif request.prompt_text is not None:
+        message.prompt_text = request.prompt_text
+    elif request.prompt_token_ids is not None:
+        message.prompt_token_ids.CopyFrom(pb.TokenIds(ids=list(request.prompt_token_ids)))
+    else:
+        raise EngineRequestError(f"request {request.request_id!r} has no prompt")
+    return message
+
+
+def from_generate_event(event: pb.GenerateEvent) -> EngineEvent:
+    kind = event.WhichOneof("event")
+    if kind == "admitted":
+        return Admitted(prompt_tokens=event.admitted.prompt_tokens)
+    if kind == "delta":
+        ids = tuple(event.delta.token_ids)
+        return Delta(text=event.delta.text, token_ids=ids, num_tokens=len(ids))
+    if kind == "finished":
+        f = event.finished
+        reason = cast(FinishReason, f.finish_reason) if f.finish_reason in _FINISH_REASONS else "error"
+        return Finished(
+            finish_reason=reason,
+            prompt_tokens=f.usage.prompt_tokens,
+            completion_tokens=f.usage.completion_tokens,
+            cached_tokens=f.usage.cached_tokens,
+            error_message=f.error_message,
+            queue_s=f.timings.queue_s,
+            prefill_s=f.timings.prefill_s,
+            decode_s=f.timings.decode_s,
+        )
+    raise EngineStreamError(f"unknown generate event {kind!r}")
+
+
+def from_engine_state(state: pb.EngineState) -> EngineReport:
+    ident, lens = state.identity, state.lens
+    return EngineReport(
+        engine_id=EngineId(ident.engine_id),
+        model=ident.model,
+        profile=ident.profile,
+        backend=ident.backend,
+        role=ident.role,
+        seq=state.seq,
+        engine_timestamp_s=state.timestamp_s,
+        ready=state.ready,
+        draining=state.draining,
+        num_running=state.num_running,
+        num_waiting=state.num_waiting,
+        kv_blocks_total=state.kv_blocks_total,
+        kv_blocks_free=state.kv_blocks_free,
+        kv_blocks_reserved=state.kv_blocks_reserved,
+        pending_prefill_tokens=state.pending_prefill_tokens,
+        running_batch_tokens=state.running_batch_tokens,
+        predicted_batch_latency_s=lens.predicted_batch_latency_s,
+        pending_work_tokens=lens.pending_work_tokens,
+        effective_free_kv_blocks=lens.effective_free_kv_blocks,
+        peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
+    )
+
+
+def from_engine_info(info: pb.EngineInfo) -> EngineDescription:
+    ident = info.identity
+    return EngineDescription(
+        engine_id=EngineId(ident.engine_id),
+        model=ident.model,
+        profile=ident.profile,
+        backend=ident.backend,
+        role=ident.role,
+        max_context_tokens=info.max_context_tokens,
+        block_size=info.block_size,
+        max_num_seqs=info.max_num_seqs,
+    )
+
+
+def _describe_rpc_error(exc: grpc.aio.AioRpcError) -> str:
+    return f"{exc.code().name}: {exc.details()}"
+
+
+class GrpcEngineClient:
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        watch_interval_ms: int = 0,
+        options: tuple[tuple[str, int | str], ...] = KEEPALIVE_OPTIONS,
+    ) -> None:
+        """`address` is host:port; `watch_interval_ms` asks the agent for a report interval (0: its own)."""
+        self._address = address
+        self._connect_timeout_s = connect_timeout_s
+        self._watch_interval_ms = watch_interval_ms
+        self._options = options
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.EngineAgentStub | None = None
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _get_stub(self) -> pb_grpc.EngineAgentStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self._address, options=list(self._options))
+            self._stub = pb_grpc.EngineAgentStub(self._channel)
+        return self._stub
+
+    async def _connected_stub(self) -> pb_grpc.EngineAgentStub:
+        """The stub once the channel is READY; EngineUnavailable after `connect_timeout_s`."""
+        stub = self._get_stub()
+        assert self._channel is not None
+        if self._channel.get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+            try:
+                await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout_s)
+            except TimeoutError as exc:
+                raise EngineUnavailable(
+                    f"engine {self._address} not reachable within {self._connect_timeout_s}s"
+                ) from exc
+        return stub
+
+    async def describe(self) -> EngineDescription:
+        stub = await self._connected_stub()
+        try:
+            info = await stub.GetInfo(pb.GetInfoRequest(), timeout=self._connect_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise EngineUnavailable(f"GetInfo on {self._address}: {_describe_rpc_error(exc)}") from exc
+        return from_engine_info(info)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        message = to_generate_request(request)
+        stub = await self._connected_stub()
+        call = stub.Generate(message)
+        started = False
+        try:
+            async for event in call:
+                started = True
+                yield from_generate_event(event)
+                if event.WhichOneof("event") == "finished":
+                    return
+        except grpc.aio.AioRpcError as exc:
+            detail = f"Generate {request.request_id} on {self._address}: {_describe_rpc_error(exc)}"
+            if started:
+                raise EngineStreamError(detail) from exc
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise EngineRequestError(exc.details() or detail) from exc
+            raise EngineUnavailable(detail) from exc
+        finally:
+            call.cancel()  # a no-op once the call is done; otherwise the agent sees the cancel and aborts
+        detail = f"Generate {request.request_id} on {self._address} ended without a finish event"
+        raise EngineStreamError(detail) if started else EngineUnavailable(detail)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort on the agent (idempotent there); EngineUnavailable when the agent cannot be reached."""
+        stub = self._get_stub()
+        try:
+            await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._connect_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise EngineUnavailable(f"Abort on {self._address}: {_describe_rpc_error(exc)}") from exc
+
+    async def watch_state(self) -> AsyncIterator[EngineReport]:
+        stub = await self._connected_stub()
+        call = stub.WatchState(pb.WatchStateRequest(interval_ms=self._watch_interval_ms))
+        try:
+            async for state in call:
+                yield from_engine_state(state)
+        except grpc.aio.AioRpcError as exc:
+            raise EngineUnavailable(f"WatchState on {self._address}: {_describe_rpc_error(exc)}") from exc
+        finally:
+            call.cancel()
+        raise EngineUnavailable(f"WatchState on {self._address} ended")
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None

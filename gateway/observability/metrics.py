@@ -1,0 +1,194 @@
+"""Prometheus metrics of one gateway process, on the process's own registry (no globals).
+
+Owns: `GatewayMetrics` (request counters, latency histograms, routing-decision timing) and the scrape-time
+collector that turns the cluster store's pushed engine state into per-engine gauges.
+Must not: read clocks (callers pass durations in seconds), decide anything, or touch engines; the engine
+collector only reads a snapshot when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.cluster.snapshot import ClusterSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets follow vLLM's front-end histograms so dashboards line up.
+_TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+_E2E_BUCKETS_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
+_DECISION_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+
+
+class EngineStateCollector(Collector):
+    """Per-engine gauges computed from the store's snapshot at scrape time (never stale, never polled)."""
+
+    def __init__(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # unchecked collector: families are produced on collect
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        running = GaugeMetricFamily(
+            "switchyard_engine_running_requests", "Running requests, as last reported", labels=["engine"]
+        )
+        waiting = GaugeMetricFamily(
+            "switchyard_engine_waiting_requests", "Waiting requests, as last reported", labels=["engine"]
+        )
+        kv_free = GaugeMetricFamily(
+            "switchyard_engine_kv_free_ratio", "Free KV blocks / total, as last reported", labels=["engine"]
+        )
+        ready = GaugeMetricFamily(
+            "switchyard_engine_ready", "1 when the engine is ready and its state fresh", labels=["engine"]
+        )
+        age = GaugeMetricFamily(
+            "switchyard_engine_state_age_seconds", "Seconds since the engine's last report", labels=["engine"]
+        )
+        for e in snap.engines:
+            labels = [str(e.engine_id)]
+            running.add_metric(labels, e.num_running)
+            waiting.add_metric(labels, e.num_waiting)
+            kv_free.add_metric(labels, e.kv_free_ratio)
+            ready.add_metric(labels, 1.0 if e.ready and not e.stale else 0.0)
+            age.add_metric(labels, e.state_age_s)
+        yield from (running, waiting, kv_free, ready, age)
+
+
+class GatewayMetrics:
+    """All gateway metrics on one registry. Create one per app; `render()` serves `/metrics`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "switchyard_requests_total",
+            "HTTP inference requests by model and status code",
+            ["model", "status"],
+            registry=r,
+        )
+        self.in_flight = Gauge("switchyard_requests_in_flight", "Inference requests being served", registry=r)
+        self.client_disconnects = Counter(
+            "switchyard_client_disconnects_total",
+            "Requests whose client went away before the end",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "switchyard_time_to_first_token_seconds",
+            "Arrival to first content token, per choice",
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "switchyard_inter_token_latency_seconds",
+            "Gap between successive token deltas, per choice",
+            buckets=_ITL_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "switchyard_e2e_request_latency_seconds",
+            "Arrival to finish, per choice",
+            buckets=_E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.routing_decision = Histogram(
+            "switchyard_routing_decision_seconds",
+            "Time inside policy.pick",
+            ["policy"],
+            buckets=_DECISION_BUCKETS_S,
+            registry=r,
+        )
+        self.retries = Counter(
+            "switchyard_dispatch_retries_total",
+            "Dispatches whose engine was unavailable before the first event (then retried elsewhere)",
+            registry=r,
+        )
+        self._engine_collector: EngineStateCollector | None = None
+
+    def attach_engine_state(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
+        """Expose per-engine gauges read from `snapshot()` at each scrape (one source at a time)."""
+        self.detach_engine_state()
+        self._engine_collector = EngineStateCollector(snapshot)
+        self.registry.register(self._engine_collector)
+
+    def detach_engine_state(self) -> None:
+        if self._engine_collector is not None:
+            self.registry.unregister(self._engine_collector)
+            self._engine_collector = None
+
+    def observe_request(self, model: str, status: int) -> None:
+        self.requests.labels(model, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,26 @@
+"""Round robin: the baseline policy.
+
+Owns: `RoundRobinPolicy`.
+Formula: let E be the eligible engines (`base.eligible`: right model, ready, fresh, not excluded) sorted by
+engine id; pick E[dispatch_seq mod |E|]. `dispatch_seq` comes from the dispatcher (one per decision), so the
+policy holds no counter and stays a pure function; when the eligible set changes the rotation simply continues
+over the new set.
+Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gateway.cluster.snapshot import ClusterSnapshot, EngineId, RequestFeatures
+from gateway.policies.base import eligible
+
+
+class RoundRobinPolicy:
+    NAME: ClassVar[str] = "round_robin"
+
+    def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
+        engines = sorted(eligible(features, snapshot), key=lambda e: e.engine_id)
+        if not engines:
+            return None
+        return engines[features.dispatch_seq % len(engines)].engine_id

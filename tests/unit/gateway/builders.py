@@ -1,0 +1,46 @@
+"""Builders for hand-made snapshots and request features in policy and dispatch tests."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+
+MODEL = "m"
+
+
+def engine(engine_id: str, model: str = MODEL, **fields: Any) -> EngineView:
+    """A ready, fresh engine of `model`; any `EngineView` field can be overridden."""
+    base = EngineView(engine_id=EngineId(engine_id), model=model)
+    return replace(base, **fields)
+
+
+def snapshot(*engines: EngineView, taken_at_s: float = 100.0) -> ClusterSnapshot:
+    """A snapshot in the stable order the store produces (by engine id)."""
+    return ClusterSnapshot(taken_at_s=taken_at_s, engines=tuple(sorted(engines, key=lambda e: e.engine_id)))
+
+
+def features(
+    request_id: str = "r1",
+    model: str = MODEL,
+    *,
+    prompt_tokens: int = 100,
+    max_tokens: int = 50,
+    now_s: float = 100.0,
+    dispatch_seq: int = 0,
+    session_engine: str | None = None,
+    exclude: tuple[str, ...] = (),
+    **fields: Any,
+) -> RequestFeatures:
+    return RequestFeatures(
+        request_id=request_id,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        now_s=now_s,
+        dispatch_seq=dispatch_seq,
+        session_engine=EngineId(session_engine) if session_engine is not None else None,
+        exclude=frozenset(EngineId(e) for e in exclude),
+        **fields,
+    )

@@ -1,0 +1,173 @@
+"""`ClusterState`, the pure cluster state: events in, snapshots out, every time passed as an argument."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.cluster.snapshot import EngineId
+from gateway.cluster.state import ClusterState
+from gateway.engines.base import EngineDescription, EngineReport
+
+A, B = EngineId("a"), EngineId("b")
+STATE_PY = Path(__file__).resolve().parents[3] / "gateway" / "cluster" / "state.py"
+
+
+def report(seq: int, engine_ts_s: float, engine_id: EngineId = A, **fields: Any) -> EngineReport:
+    base: dict[str, Any] = {
+        "engine_id": engine_id, "model": "m", "profile": "p", "backend": "sim", "role": "", "seq": seq,
+        "engine_timestamp_s": engine_ts_s, "ready": True, "draining": False, "num_running": 0,
+        "num_waiting": 0, "kv_blocks_total": 100, "kv_blocks_free": 100, "kv_blocks_reserved": 0,
+        "pending_prefill_tokens": 0, "running_batch_tokens": 0,
+    }
+    return EngineReport(**(base | fields))
+
+
+def describe(engine_id: EngineId = A) -> EngineDescription:
+    return EngineDescription(engine_id, "m", "p", "sim", "", 4096, 32, 8)
+
+
+def connected(*engine_ids: EngineId, now_s: float = 10.0, **kwargs: Any) -> ClusterState:
+    """Engines added, described, connected and reported once at `now_s` (engine clock = now_s)."""
+    state = ClusterState(stale_after_s=1.0, session_ttl_s=60.0, snapshot_resolution_s=0.0, **kwargs)
+    for engine_id in engine_ids:
+        state.add_engine(engine_id, now_s)
+        state.on_describe(engine_id, describe(engine_id))
+        state.on_connect(engine_id)
+        state.on_report(engine_id, report(1, now_s, engine_id), now_s)
+    return state
+
+
+def test_lifecycle_from_added_to_ready_to_disconnected() -> None:
+    state = ClusterState(stale_after_s=1.0)
+    state.add_engine(A, 5.0)
+    view = state.snapshot(5.5).engines[0]
+    assert (view.model, view.ready, view.stale, view.state_age_s) == ("", False, True, 0.5)
+    assert view.block_size == 16
+    state.on_describe(A, describe())
+    view = state.snapshot(6.0).engines[0]
+    assert (view.model, view.ready, view.block_size, view.max_num_seqs) == ("m", False, 32, 8)
+    state.on_connect(A)
+    state.on_report(A, report(1, 100.0, num_running=3, kv_blocks_free=40), 6.0)
+    view = state.snapshot(6.25).engines[0]
+    assert (view.ready, view.stale, view.state_age_s, view.num_running, view.kv_free_ratio) == (
+        True, False, 0.25, 3, 0.4)
+    state.on_disconnect(A)
+    view = state.snapshot(6.5).engines[0]
+    assert (view.engine_id, view.ready, view.num_running) == (A, False, 3)
+    assert state.models() == ("m",) and state.latest_reports()[A].seq == 1
+    with pytest.raises(ValueError):
+        state.add_engine(A, 7.0)
+    state.remove_engine(A)
+    assert state.engine_ids() == () and A not in state
+
+
+def test_staleness_follows_the_time_argument() -> None:
+    state = connected(A, now_s=10.0)
+    assert state.snapshot(11.0).engines[0].stale is False
+    view = state.snapshot(11.5).engines[0]
+    assert (view.stale, view.state_age_s, view.ready) == (True, 1.5, True)
+    state.on_report(A, report(2, 11.5), 11.5)
+    assert state.snapshot(11.5).engines[0].stale is False
+
+
+def test_snapshot_cache_until_change_stale_boundary_or_resolution() -> None:
+    state = ClusterState(stale_after_s=1.0, snapshot_resolution_s=10.0)
+    state.add_engine(A, 0.0)
+    state.on_connect(A)
+    state.on_report(A, report(1, 0.0), 0.0)
+    first = state.snapshot(0.0)
+    assert state.snapshot(0.5) is first
+    second = state.snapshot(1.1)  # past the staleness boundary
+    assert second is not first and second.engines[0].stale
+    state.note_dispatch(A, "r1", 10, 5, "", 1.1)
+    third = state.snapshot(1.1)
+    assert third is not second and third.engines[0].inflight_tokens == 15
+    short = ClusterState(snapshot_resolution_s=0.005)
+    short.add_engine(A, 0.0)
+    cached = short.snapshot(0.0)
+    assert short.snapshot(0.004) is cached and short.snapshot(0.005) is not cached
+
+
+def test_unreported_cleared_by_a_report_taken_after_the_dispatch() -> None:
+    state = ClusterState()
+    state.add_engine(A, 1000.0)
+    state.on_connect(A)
+    state.on_report(A, report(2, 50.0), 1000.0)  # engine clock 50.0 at gateway 1000.0
+    state.note_dispatch(A, "r1", 100, 20, "", 1000.2)  # engine time ~50.2
+    state.note_dispatch(A, "r2", 30, 10, "", 1000.2)
+    view = state.snapshot(1000.2).engines[0]
+    assert (view.inflight_requests, view.inflight_tokens, view.unreported_tokens, view.queue_length) == (
+        2, 160, 160, 2)
+    state.on_report(A, report(3, 50.1), 1000.3)  # taken before the dispatch
+    assert state.snapshot(1000.3).engines[0].unreported_requests == 2
+    state.on_report(A, report(4, 50.25, num_running=2), 1000.35)
+    view = state.snapshot(1000.35).engines[0]
+    assert (view.unreported_requests, view.unreported_tokens, view.queue_length) == (0, 0, 2)
+    state.note_finish(A, "r1")
+    state.note_finish(A, "r1")  # idempotent
+    state.note_finish(A, "unknown")
+    state.note_finish(B, "r2")  # unknown engine: ignored
+    assert (state.snapshot(1000.4).engines[0].inflight_tokens) == 40
+
+
+def test_first_report_of_a_connection_clears_unanchored_dispatches() -> None:
+    state = ClusterState()
+    state.add_engine(A, 0.0)
+    state.note_dispatch(A, "r1", 10, 10, "", 0.0)  # no report yet: no anchor
+    assert state.snapshot(0.0).engines[0].unreported_tokens == 20
+    state.on_connect(A)
+    state.on_report(A, report(7, -5.0), 0.1)  # any first report clears it, whatever its clock
+    view = state.snapshot(0.1).engines[0]
+    assert (view.unreported_tokens, view.inflight_tokens) == (0, 20)
+    with pytest.raises(KeyError):
+        state.note_dispatch(B, "r2", 1, 1, "", 0.2)
+
+
+def test_duplicates_ignored_and_reconnect_restarts_the_sequence() -> None:
+    state = connected(A, now_s=0.0)
+    state.on_report(A, report(5, 5.0, num_running=5), 0.1)
+    state.on_report(A, report(4, 4.0, num_running=4), 0.2)
+    state.on_report(A, report(5, 5.0, num_running=9), 0.3)
+    view = state.snapshot(0.3).engines[0]
+    assert (view.seq, view.num_running, view.state_age_s) == (5, 5, pytest.approx(0.2))
+    state.on_disconnect(A)
+    state.on_connect(A)
+    state.on_report(A, report(1, 0.5, num_running=1), 0.4)  # a restarted agent
+    view = state.snapshot(0.4).engines[0]
+    assert (view.ready, view.seq, view.num_running) == (True, 1, 1)
+
+
+def test_sessions_ttl_and_bound() -> None:
+    state = connected(A, B, now_s=1000.0)
+    state.note_dispatch(A, "r1", 1, 1, "s1", 1000.0)
+    state.note_dispatch(B, "r2", 1, 1, "s2", 1030.0)
+    assert state.session_lookup("s1", 1030.0) == (A, 1000.0)
+    assert state.session_lookup("s1", 1060.5) == (None, 0.0)
+    assert state.session_lookup("unknown", 1030.0) == (None, 0.0)
+    assert state.prune_sessions(1060.5) == 1
+    bounded = connected(A, max_sessions=2)
+    for i in range(3):
+        bounded.note_dispatch(A, f"r{i}", 1, 1, f"s{i}", 10.0)
+    assert [bounded.session_lookup(f"s{i}", 10.0)[0] for i in range(3)] == [None, A, A]
+
+
+def test_engines_are_ordered_by_id_and_reports_set_identity() -> None:
+    state = connected(B, A)
+    state.on_report(A, report(2, 10.0, model="other", profile="q"), 10.0)
+    views = state.snapshot(10.0).engines
+    assert [(v.engine_id, v.model, v.profile) for v in views] == [(A, "other", "q"), (B, "m", "p")]
+
+
+def test_state_module_imports_no_io_or_clock() -> None:
+    tree = ast.parse(STATE_PY.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    assert names & {"asyncio", "aiohttp", "grpc", "prometheus_client", "time", "switchyard"} == set()
