@@ -268,8 +268,11 @@ async def test_client_disconnect_closes_the_engine_stream() -> None:
         resp = await client.post(CHAT, json=chat_body(stream=True))
         await resp.content.readline()
         resp.close()
+        # The engine stream is closed (inner finally) just before the disconnect is counted (outer handler):
+        # wait for both effects, not only the first.
+        disconnects = client.app[METRICS_KEY].client_disconnects._value
         for _ in range(400):
-            if engine.closed_streams:
+            if engine.closed_streams and disconnects.get() == 1:
                 break
             await asyncio.sleep(0.005)
         assert engine.closed_streams == 1 and engine.completed_streams == 0

@@ -1,0 +1,294 @@
+"""`simulate`: replay a schedule of requests on a simulated fleet in virtual time, routed by a gateway policy.
+
+Owns: the event loop (arrivals and timeline samples in time order as sync points, each engine advanced
+through its iteration completions up to every sync point), the dispatch of each arrival (features,
+snapshot, `policy.pick`, `note_dispatch`, admission), and the per-request token times that become
+`loadgen.metrics.Outcome`s.
+Must not: model engines (that is `SimEngine`, invariant I2), implement routing (the gateway's policies and
+`ClusterState` are called as they are, invariant I1), or read a clock other than the injected wall clock used
+only for `SimResult.wall_s` (virtual time is data, invariant I3).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from operator import sub
+
+from engine_agent.backends.base import BackendRequest, FinishEvent, RequestId, SamplingSpec
+from gateway.cluster.state import ClusterState
+from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
+from gateway.engines.base import ChatTurn, EngineRequest
+from gateway.policies.registry import make_policy
+from loadgen.datasets.request import Request
+from loadgen.metrics import Outcome
+from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet
+from loadgen.simulate.spec import EngineSpec, SimOptions, SimResult
+from switchyard.clock import Clock, MonotonicClock
+
+IDLE_RETRY_S = 1e-3  # an iteration that scheduled nothing is retried this much later, as the sim backend does
+MAX_EMPTY_STEPS = 100_000  # empty iterations on one engine before the run is declared stuck
+CONNECT_LEAD_S = 1e-3  # engines connect this long (plus the report delay) before the first arrival
+NO_ENGINE = "no engine available"
+
+
+def _engine_request(request: Request, model: str, max_tokens: int, ignore_eos: bool,
+                    prompt_ids: PromptIds) -> EngineRequest:
+    """The request as the gateway would see it: its text or messages when the trace has them (so the prompt
+    estimate is the live one), else token ids of the exact prompt length."""
+    token_ids = request.prompt_token_ids
+    turns = None
+    text = None
+    if token_ids is None:
+        if request.messages is not None:
+            turns = tuple(ChatTurn(role, content) for role, content in request.messages)
+        elif request.prompt is not None:
+            text = request.prompt
+        else:
+            token_ids = prompt_ids(request.prompt_tokens)
+    return EngineRequest(request_id=request.request_id, model=model, messages=turns, prompt_text=text,
+                         prompt_token_ids=token_ids, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                         session_id=request.session_id or "")
+
+
+class _Run:
+    """One simulation's mutable state; `simulate` builds it, runs it and throws it away."""
+
+    def __init__(self, schedule: Sequence[tuple[float, Request]], nodes: list[SimNode], options: SimOptions,
+                 progress: Callable[[float], None] | None) -> None:
+        self.schedule = sorted(schedule, key=lambda item: item[0])  # stable: ties keep their order
+        ids = [r.request_id for _, r in self.schedule]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids in a simulated schedule must be unique")
+        self.nodes = nodes
+        self.by_id = {n.engine_id: n for n in nodes}
+        self.options = options
+        self.progress = progress
+        self.policy = make_policy(options.policy, options.policy_params)
+        self.state = ClusterState(stale_after_s=options.stale_after_s)
+        self.rng = random.Random(options.seed)
+        self.model = nodes[0].model
+        self.prompt_ids = PromptIds()
+        self.t0 = self.schedule[0][0] if self.schedule else 0.0
+        self.outcomes: list[Outcome | None] = [None] * len(self.schedule)
+        self.times_of: dict[str, list[float]] = {}  # request id -> its token times, while in flight
+        self.info: dict[str, tuple[int, float]] = {}  # request id -> (schedule index, arrival time)
+        self.dispatch_seq = 0
+        self.produced = 0  # output tokens delivered since the last timeline sample
+        self.last_event_s = self.t0
+        self.timeline: list[dict[str, float]] = []
+
+    # ---- setup and the loop ----------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        connect_s = self.t0 - self.options.report_delay_s - CONNECT_LEAD_S
+        for node in self.nodes:
+            self.state.add_engine(node.engine_id, connect_s)
+            self.state.on_describe(node.engine_id, node.feed.identity)
+            self.state.on_connect(node.engine_id)
+            node.feed.connect(connect_s)
+
+    def run(self) -> None:
+        """Sync points in time order: arrivals and timeline samples (an arrival at a sample's time first).
+        Before each, every engine is advanced through the iterations completing by then: engines do not
+        interact between sync points, so this is the order a global event heap would give."""
+        schedule, nodes = self.schedule, self.nodes
+        n = len(schedule)
+        period_s = self.options.record_timeline_s
+        samples = 1
+        next_sample_s = self.t0 + period_s
+        i = 0
+        advance = self._advance
+        while i < n or any(node.busy for node in nodes):
+            if i < n and schedule[i][0] <= next_sample_s:
+                self._on_arrival(i, schedule[i][0], schedule[i][1])
+                i += 1
+            else:
+                for node in nodes:
+                    if node.done_s <= next_sample_s:
+                        advance(node, next_sample_s)
+                self._sample(next_sample_s, period_s, i / n)
+                samples += 1
+                next_sample_s = self.t0 + samples * period_s
+        if self.progress is not None:
+            self.progress(1.0)
+
+    # ---- events ------------------------------------------------------------------------------------------
+
+    def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
+        state = self.state
+        on_report, advance = state.on_report, self._advance
+        for node in self.nodes:  # bring every engine to now_s, then hand over what the gateway has received
+            if node.done_s <= now_s:
+                advance(node, now_s)
+            got = node.feed.receive(now_s)
+            if got is not None:
+                on_report(node.engine_id, got[0], got[1])
+        snapshot = state.snapshot(now_s)
+        session_id = request.session_id or ""
+        session_engine, session_last_used_s = (
+            state.session_lookup(session_id, now_s) if session_id else (None, 0.0))
+        forced_tokens = request.output_tokens or 0
+        forced = forced_tokens > 0
+        max_tokens = forced_tokens if forced else self.options.max_output_tokens_default
+        engine_request = _engine_request(request, self.model, max_tokens, forced, self.prompt_ids)
+        prompt_estimate = estimate_prompt_tokens(engine_request)
+        features = build_features(
+            engine_request, RoutingHints(arrival_s=now_s, session_id=session_id),
+            prompt_tokens=prompt_estimate, now_s=now_s, dispatch_seq=self.dispatch_seq,
+            rand=self.rng.random(),
+            session_engine=session_engine, session_last_used_s=session_last_used_s, exclude=frozenset())
+        self.dispatch_seq += 1
+        engine_id = self.policy.pick(features, snapshot)
+        if engine_id is None:
+            self._fail(index, now_s, request, f"{NO_ENGINE} for model {self.model!r}", None)
+            return
+        state.note_dispatch(engine_id, request.request_id, prompt_estimate, features.max_tokens, session_id,
+                            now_s)
+        node = self.by_id[engine_id]
+        rid = request.request_id
+        backend_request = BackendRequest(
+            request_id=RequestId(rid), prompt_token_ids=self.prompt_ids(request.prompt_tokens),
+            sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=forced), session_id=session_id)
+        node.feed.flush(now_s)
+        try:
+            node.engine.add_request(backend_request, now_s)
+        except ValueError as exc:  # live: the agent refuses it (INVALID_ARGUMENT), the gateway answers 400
+            state.note_finish(engine_id, rid)
+            self._fail(index, now_s, request, str(exc), node.engine_id)
+            return
+        node.requests += 1
+        self.times_of[rid] = []
+        self.info[rid] = (index, now_s)
+        node.feed.on_change(now_s)
+        if not node.busy:
+            node.busy = True
+            self._start_step(node, now_s)
+
+    def _start_step(self, node: SimNode, now_s: float) -> None:
+        """Run the engine's next iteration at `now_s` (an idle engine woken by an admission)."""
+        node.feed.flush(now_s)  # reports due before this iteration carry the state before it
+        result = node.engine.step(now_s)
+        node.result = result
+        duration_s = result.duration_s
+        node.busy_s += duration_s
+        if duration_s <= 0:
+            duration_s = self._empty_step(node)
+        node.done_s = now_s + duration_s
+
+    def _empty_step(self, node: SimNode) -> float:
+        node.empty_steps += 1
+        if node.empty_steps > MAX_EMPTY_STEPS:
+            raise RuntimeError(f"engine {node.engine_id} scheduled nothing {MAX_EMPTY_STEPS} times")
+        return IDLE_RETRY_S
+
+    def _advance(self, node: SimNode, until_s: float) -> None:
+        """Deliver every iteration of `node` completing at or before `until_s`, starting the next one at each
+        completion while the engine has work (the hot loop: one pass per iteration, no allocation of ours)."""
+        engine, feed = node.engine, node.feed
+        may_matter = feed.gate.iteration_may_matter
+        times_of = self.times_of
+        result = node.result
+        done_s = node.done_s
+        produced = 0
+        busy_s = 0.0
+        while done_s <= until_s:
+            assert result is not None
+            tokens = result.tokens
+            if tokens:
+                for rid, _ in tokens:
+                    times_of[rid].append(done_s)
+                produced += len(tokens)
+            finished = result.finished
+            if finished:
+                for rid, event in finished:
+                    self._finish(node, rid, event, done_s)
+            if may_matter(result.record, bool(finished)):
+                feed.on_change(done_s)
+            if not engine.has_work():
+                node.busy = False
+                result = None
+                done_s = math.inf
+                break
+            if done_s >= feed.next_due_s:
+                feed.flush(done_s)
+            result = engine.step(done_s)
+            duration_s = result.duration_s
+            busy_s += duration_s
+            if duration_s <= 0:
+                duration_s = self._empty_step(node)
+            done_s += duration_s
+        node.result = result
+        node.done_s = done_s
+        node.output_tokens += produced
+        node.busy_s += busy_s
+        self.produced += produced
+
+    # ---- outcomes and samples ----------------------------------------------------------------------------
+
+    def _finish(self, node: SimNode, rid: str, event: FinishEvent, now_s: float) -> None:
+        times = self.times_of.pop(rid)
+        index, arrival_s = self.info.pop(rid)
+        self.state.note_finish(node.engine_id, rid)
+        self.last_event_s = max(self.last_event_s, now_s)
+        usage = event.usage
+        self.outcomes[index] = Outcome(
+            request_id=rid, success=True, prompt_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens, arrival_s=arrival_s - self.t0, start_s=arrival_s - self.t0,
+            ttft_s=times[0] - arrival_s, itl_s=tuple(map(sub, times[1:], times)), e2e_s=now_s - arrival_s,
+            engine_id=node.engine_id)
+
+    def _fail(self, index: int, now_s: float, request: Request, error: str, engine_id: str | None) -> None:
+        self.last_event_s = max(self.last_event_s, now_s)
+        self.outcomes[index] = Outcome(
+            request_id=request.request_id, success=False, prompt_tokens=request.prompt_tokens,
+            arrival_s=now_s - self.t0, start_s=now_s - self.t0, error=error, engine_id=engine_id)
+
+    def _sample(self, at_s: float, period_s: float, fraction_done: float) -> None:
+        running = waiting = 0
+        for node in self.nodes:
+            if node.busy:
+                stats = node.engine.stats(at_s)
+                running += stats.num_running
+                waiting += stats.num_waiting
+        self.timeline.append({"t_s": at_s - self.t0, "in_flight": len(self.info), "running": running,
+                              "waiting": waiting, "throughput_tokens_per_s": self.produced / period_s})
+        self.produced = 0
+        if self.progress is not None:
+            self.progress(fraction_done)
+
+
+def simulate(
+    schedule: Sequence[tuple[float, Request]],
+    engines: Sequence[EngineSpec],
+    options: SimOptions,
+    *,
+    progress: Callable[[float], None] | None = None,
+    wall_clock: Clock | None = None,
+) -> SimResult:
+    """Replay `schedule` ((arrival s, request) pairs, as `loadgen.arrivals.schedule` gives) on `engines`.
+
+    `progress` is called with the fraction of arrivals dispatched so far at every timeline sample, and with
+    1.0 at the end. `wall_clock` (default: monotonic) only measures `SimResult.wall_s`. Semantics: see the
+    `loadgen.simulate` package docstring.
+    """
+    clock = wall_clock or MonotonicClock()
+    started_s = clock.now()
+    nodes = build_fleet(engines, options)
+    run = _Run(schedule, nodes, options, progress)
+    run.connect()
+    run.run()
+    outcomes = [o for o in run.outcomes if o is not None]
+    if len(outcomes) != len(run.outcomes):
+        raise RuntimeError("the simulation ended with requests still in flight")
+    last_arrival_s = run.schedule[-1][0] if run.schedule else run.t0
+    duration_s = max(run.last_event_s, last_arrival_s) - run.t0
+    return SimResult(
+        outcomes=outcomes,
+        duration_s=duration_s,
+        wall_s=clock.now() - started_s,
+        per_engine={n.engine_id: n.totals() for n in nodes},
+        timeline=run.timeline,
+        events_processed=len(run.schedule) + sum(n.iterations() + n.empty_steps for n in nodes),
+    )

@@ -1,0 +1,114 @@
+"""What a simulation takes and gives back: `EngineSpec`, `parse_engines`, `SimOptions`, `SimResult`.
+
+Owns: the public data types of `loadgen.simulate` and the parsing of a fleet description
+("h100-llama3-8b:6,a6000-llama3-8b:2").
+Must not: run anything, read clocks or files, or hold mutable module state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from engine_agent.sim.profiles import get_profile
+from loadgen.metrics import Outcome
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """`count` simulated engines of the sim profile `profile` (ids `{profile}-{i}`, i from 0 per profile)."""
+
+    profile: str
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"engine spec {self.profile!r}: count must be >= 1, got {self.count}")
+        get_profile(self.profile)  # UnknownProfileError (a ValueError) naming the known profiles
+
+
+def parse_engines(text: str) -> list[EngineSpec]:
+    """Parse "PROFILE:COUNT,PROFILE:COUNT" (a bare PROFILE means one engine); ValueError on a bad item."""
+    specs: list[EngineSpec] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        profile, sep, raw = item.partition(":")
+        profile = profile.strip()
+        count = 1
+        if sep:
+            try:
+                count = int(raw.strip())
+            except ValueError:
+                raise ValueError(f"bad engine spec {item!r}: expected PROFILE:COUNT, e.g. h100-llama3-8b:4"
+                                 ) from None
+        specs.append(EngineSpec(profile, count))
+    if not specs:
+        raise ValueError(f"no engines in {text!r}: expected e.g. 'h100-llama3-8b:6,a6000-llama3-8b:2'")
+    return specs
+
+
+def _no_params() -> Mapping[str, object]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How to simulate. Policy names and parameters are those of `gateway.policies.registry.make_policy`.
+
+    `state_interval_s`: the agents' WatchState interval (a report at least this often);
+    `report_delay_s`: one-way delay from an engine's state reading to the gateway receiving it;
+    `stale_after_s`: the gateway's staleness bound; `seed`: engine sampling seed and the dispatcher's random
+    draws; `max_output_tokens_default`: max_tokens of requests with no forced output length;
+    `record_timeline_s`: the timeline's sampling period.
+    """
+
+    policy: str = "round_robin"
+    policy_params: Mapping[str, object] = field(default_factory=_no_params)
+    state_interval_s: float = 0.05
+    report_delay_s: float = 0.001
+    stale_after_s: float = 1.0
+    seed: int = 0
+    max_output_tokens_default: int = 2048
+    record_timeline_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        positive = {"state_interval_s": self.state_interval_s, "stale_after_s": self.stale_after_s,
+                    "record_timeline_s": self.record_timeline_s}
+        for name, value in positive.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"SimOptions.{name} must be a positive finite number, got {value}")
+        if not (math.isfinite(self.report_delay_s) and self.report_delay_s >= 0):
+            raise ValueError(f"SimOptions.report_delay_s must be >= 0 and finite, got {self.report_delay_s}")
+        if self.max_output_tokens_default < 1:
+            raise ValueError(f"SimOptions.max_output_tokens_default must be >= 1, "
+                             f"got {self.max_output_tokens_default}")
+        if not isinstance(self.policy_params, MappingProxyType):
+            object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
+
+
+@dataclass
+class SimResult:
+    """A simulation's outcome. Times in `outcomes` and `timeline` are seconds since the first arrival.
+
+    `duration_s`: first arrival to the last finish (or the last arrival, if later); `wall_s`: wall-clock
+    seconds the simulation took; `per_engine`: engine id -> {profile, requests (dispatched and accepted),
+    output_tokens, busy_s (summed iteration time), iterations}; `timeline`: one row every `record_timeline_s`
+    of {t_s, in_flight (dispatched, not finished), running, waiting (engine totals), throughput_tokens_per_s
+    (output tokens over the period ending at t_s)}; `events_processed`: arrivals plus engine iterations
+    simulated.
+    """
+
+    outcomes: list[Outcome]
+    duration_s: float
+    wall_s: float
+    per_engine: dict[str, dict[str, Any]]
+    timeline: list[dict[str, float]]
+    events_processed: int
+
+    @property
+    def simulated_s_per_wall_s(self) -> float:
+        return self.duration_s / self.wall_s if self.wall_s > 0 else math.inf
