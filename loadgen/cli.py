@@ -1,0 +1,333 @@
+"""Command line of the load generator: ``python -m loadgen {run,simulate,compare} ...``.
+
+Owns: the flags (shared ones on every command), one-line operator errors (exit 2) for bad flags, a missing
+data directory, an unknown dataset or an unreachable target, building the workload (dataset -> prepared
+requests -> schedule), calling live replay, the simulator or the comparison, printing the summary, and writing
+the results JSON and (lazily imported) plots.
+Must not: measure requests (``loadgen.live``), model engines or route (``loadgen.simulate``), compute metrics
+(``loadgen.metrics``) or install an event loop policy (``loadgen.__main__`` picks the loop).
+
+Live replay of token-count traces (azure-*, sarathi-sharegpt, arxiv) synthesises prompts of the exact length
+with the sim agents' tokenizer; against engines with another tokenizer pass ``--tokenizer DIR`` (an HF-style
+directory with tokenizer.json and tokenizer_config.json) so the engines see the trace's prompt lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import aiohttp
+import orjson
+from pydantic import ValidationError
+
+from engine_agent.tokenization import Tokenizer
+from loadgen.arrivals import ArrivalSpec, schedule
+from loadgen.compare import build_variants, comparison_document, format_table, run_comparison
+from loadgen.datasets import Request, dataset_names, load_dataset
+from loadgen.live import (
+    EngineTokenizer,
+    LiveOptions,
+    TargetUnreachableError,
+    fetch_models,
+    prepare_requests,
+    run_live,
+)
+from loadgen.metrics import Outcome, Slo, Summary, parse_slo, summarize
+from loadgen.paths import DataDirNotFoundError, resolve_data_dir
+from loadgen.results import write_results
+from loadgen.simulate import EngineSpec, SimOptions, parse_engines, simulate
+
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+
+class UsageError(ValueError):
+    """A bad flag or flag combination; reported as one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line (``loadgen: error: ...``) with exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _common_flags() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("workload and output (all commands)")
+    g.add_argument("--dataset", default="sharegpt", help=f"one of {', '.join(dataset_names())}")
+    g.add_argument("--data-dir", metavar="PATH",
+                   help="data root (else $SWITCHYARD_DATA_DIR, else ../shared/data)")
+    g.add_argument("--rate", type=_positive_float, default=math.inf, metavar="R",
+                   help="requests/s (gamma arrivals; default inf: all at t=0)")
+    g.add_argument("--burstiness", type=_positive_float, default=1.0, metavar="K",
+                   help="gamma shape; 1 = Poisson")
+    g.add_argument("--max-concurrency", type=int, metavar="C", help="cap on requests in flight (run only)")
+    g.add_argument("--timestamps", action="store_true", help="replay the trace's own arrival times")
+    g.add_argument("--speedup", type=_positive_float, default=1.0, metavar="X", help="timestamp replay speed")
+    g.add_argument("--start", type=float, default=0.0, metavar="S", help="trace window start (s, timestamps)")
+    g.add_argument("--duration", type=_positive_float, metavar="S",
+                   help="trace window length (s, timestamps)")
+    g.add_argument("--num-requests", type=int, metavar="N", help="requests to replay (default: all)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--slo", metavar="ttft=MS,tpot=MS,e2e=MS", help="SLO for goodput and attainment")
+    g.add_argument("--output", metavar="PATH",
+                   help="results JSON; PNG plots go next to it with the same stem")
+    g.add_argument("--no-plots", action="store_true", help="write no PNG files")
+    g.add_argument("--model",
+                   help="model name (run: default the target's first model; simulate: the profile's)")
+    return p
+
+
+def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
+    p.add_argument("--engines", default="h100-llama3-8b:2", metavar="PROFILE:N,...", help="simulated fleet")
+    if single_policy:
+        p.add_argument("--policy", default="round_robin", help="routing policy name")
+    p.add_argument("--policy-param", action="append", default=[], metavar="K=V",
+                   help="policy parameter (V parsed as JSON, else a string); repeatable")
+    p.add_argument("--state-interval-ms", type=_positive_float, default=50.0,
+                   help="engine state report interval")
+    p.add_argument("--report-delay-ms", type=float, default=1.0, help="engine -> gateway report delay")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="loadgen",
+                     description="Replay LLM request traces live or in the cluster simulator.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    common = _common_flags()
+    run = sub.add_parser("run", parents=[common], help="replay live against an OpenAI-compatible URL")
+    run.add_argument("--target", required=True, metavar="URL", help="base URL, e.g. http://127.0.0.1:8000")
+    run.add_argument("--tokenizer", metavar="DIR", help="HF-style tokenizer dir for synthetic prompts "
+                     "(default: the sim agents' tokenizer; pass the engines' own for non-sim engines)")
+    run.add_argument("--request-timeout-s", type=_positive_float, default=600.0)
+    run.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token, if needed")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim = sub.add_parser("simulate", parents=[common], help="replay in the discrete-event cluster simulator")
+    _sim_flags(sim, single_policy=True)
+    cmp_ = sub.add_parser("compare", parents=[common], help="compare policies or fleets in the simulator")
+    _sim_flags(cmp_, single_policy=False)
+    cmp_.add_argument("--policies", default="round_robin", metavar="P1,P2,...", help="policies to compare")
+    cmp_.add_argument("--engines-list", metavar="MIX;MIX", help="fleets to compare, e.g. 'A:2;B:4'")
+    cmp_.add_argument("--rates", metavar="R1,R2,...", help="request-rate sweep (req/s)")
+    return parser
+
+
+def _policy_params(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--policy-param: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in exc.errors())
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def arrival_spec(args: argparse.Namespace) -> ArrivalSpec:
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise UsageError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    fields: dict[str, Any] = {"max_concurrency": args.max_concurrency, "seed": args.seed}
+    if args.timestamps:
+        fields.update(timestamps=True, speedup=args.speedup, start_s=args.start, duration_s=args.duration)
+        if not math.isinf(args.rate) or args.burstiness != 1.0:
+            raise UsageError("--rate/--burstiness cannot be combined with --timestamps")
+    else:
+        if args.speedup != 1.0 or args.start != 0.0 or args.duration is not None:
+            raise UsageError("--speedup/--start/--duration need --timestamps")
+        fields.update(rate_per_s=args.rate, burstiness=args.burstiness)
+    try:
+        return ArrivalSpec(**fields)
+    except ValidationError as exc:
+        raise UsageError(_one_line(exc)) from None
+
+
+def load_requests(args: argparse.Namespace, tokenizer: Tokenizer, *, synthesize: bool) -> list[Request]:
+    """The dataset's requests, windowed and cut, with exact prompt lengths for ``tokenizer``."""
+    if args.num_requests is not None and args.num_requests < 1:
+        raise UsageError(f"--num-requests must be >= 1, got {args.num_requests}")
+    is_path = args.dataset.startswith(("jsonl:", "sharegpt:"))
+    try:
+        data_dir: Path | None = resolve_data_dir(args.data_dir)
+    except DataDirNotFoundError:
+        if not is_path:
+            raise
+        data_dir = None
+    window: dict[str, Any] = {"start_s": args.start, "duration_s": args.duration} if args.timestamps else {}
+    requests = load_dataset(args.dataset, data_dir, num_requests=args.num_requests, seed=args.seed, **window)
+    if not requests:
+        raise UsageError(f"dataset {args.dataset!r} gave no requests (check --start/--duration)")
+    return prepare_requests(requests, EngineTokenizer(tokenizer), seed=args.seed, synthesize=synthesize)
+
+
+def _slo(args: argparse.Namespace) -> Slo | None:
+    return parse_slo(args.slo) if args.slo else None
+
+
+def _base_config(args: argparse.Namespace, spec: ArrivalSpec) -> dict[str, Any]:
+    return {"command": args.command, "dataset": args.dataset, "data_dir": args.data_dir,
+            "num_requests": args.num_requests, "arrivals": spec, "slo": args.slo, "model": args.model}
+
+
+def _print_summary(title: str, summary: Summary) -> None:
+    d = summary.to_dict()
+    lines = [f"{'=' * 18} {title} {'=' * 18}",
+             f"{'Successful requests:':<36}{d['completed']}", f"{'Failed requests:':<36}{d['failed']}",
+             f"{'Duration (s):':<36}{d['duration']:.2f}",
+             f"{'Request throughput (req/s):':<36}{d['request_throughput']:.2f}",
+             f"{'Output token throughput (tok/s):':<36}{d['output_throughput']:.1f}"]
+    if d["slo_attainment"] is not None:
+        lines += [f"{'SLO attainment:':<36}{d['slo_attainment']:.1%}",
+                  f"{'Request goodput (req/s):':<36}{d['request_goodput']:.2f}"]
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        lines.append(f"{label + ' ms (mean/p50/p90/p99):':<36}{d[f'mean_{name}_ms']:.1f} / "
+                     f"{d[f'median_{name}_ms']:.1f} / {d[f'p90_{name}_ms']:.1f} / {d[f'p99_{name}_ms']:.1f}")
+    print("\n".join(lines))
+
+
+def _write(args: argparse.Namespace, summary: dict[str, Any], config: dict[str, Any],
+           outcomes: Sequence[Outcome], timeline: Sequence[dict[str, float]], title: str) -> None:
+    if not args.output:
+        return
+    path = write_results(args.output, summary, config, outcomes)
+    print(f"results: {path}")
+    if not args.no_plots:
+        from loadgen.plots import write_run_plots  # noqa: PLC0415 (matplotlib only when plotting)
+
+        for png in write_run_plots(path, outcomes, timeline, title):
+            print(f"plot: {png}")
+
+
+async def _live(args: argparse.Namespace, plan: list[tuple[float, Request]], spec: ArrivalSpec) -> int:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        models = await fetch_models(session, args.target)
+        model = args.model or (models[0] if models else None)
+        if model is None:
+            raise UsageError(f"{args.target}/v1/models lists no model; pass --model")
+        options = LiveOptions(target=args.target, model=model, max_concurrency=spec.max_concurrency,
+                              request_timeout_s=args.request_timeout_s, api_key=args.api_key)
+        result = await run_live(plan, options, progress=not args.no_progress, session=session)
+    summary = summarize(result.outcomes, result.duration_s, _slo(args))
+    _print_summary(f"live: {args.target}", summary)
+    config = {**_base_config(args, spec), "model": model, "target": args.target, "tokenizer": args.tokenizer}
+    _write(args, {**summary.to_dict(), "timeline": result.timeline}, config, result.outcomes, result.timeline,
+           f"live {args.dataset} -> {args.target}")
+    return 0 if summary.completed else 1
+
+
+def _sim_options(args: argparse.Namespace, policy: str) -> SimOptions:
+    return SimOptions(policy=policy, policy_params=_policy_params(args.policy_param),
+                      state_interval_s=args.state_interval_ms / 1000.0,
+                      report_delay_s=args.report_delay_ms / 1000.0,
+                      seed=args.seed)
+
+
+def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> None:
+    from engine_agent.sim.profiles import get_profile  # noqa: PLC0415
+
+    served = get_profile(engines[0].profile).model.name
+    if args.model and args.model != served:
+        raise UsageError(f"--model {args.model!r} is not the simulated engines' model {served!r}")
+
+
+def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:
+    from gateway.policies.registry import make_policy  # noqa: PLC0415
+
+    engines = parse_engines(args.engines)
+    _check_model(args, engines)
+    options = _sim_options(args, args.policy)
+    make_policy(options.policy, options.policy_params)  # unknown policy or parameter: a usage error, up front
+    result = simulate(schedule(requests, spec), engines, options)
+    summary = summarize(result.outcomes, max(result.duration_s, 1e-9), _slo(args))
+    _print_summary(f"simulated: {args.policy} on {args.engines}", summary)
+    print(f"{'Simulator wall time (s):':<36}{result.wall_s:.2f} "
+          f"({result.simulated_s_per_wall_s:.1f} simulated s per wall s)")
+    extra = {"per_engine": result.per_engine, "sim_wall_s": result.wall_s, "events_processed":
+             result.events_processed, "simulated_s_per_wall_s": result.simulated_s_per_wall_s,
+             "timeline": result.timeline}
+    config = {**_base_config(args, spec), "engines": args.engines, "policy": args.policy,
+              "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,
+              "report_delay_ms": args.report_delay_ms}
+    _write(args, {**summary.to_dict(), **extra}, config, result.outcomes, result.timeline,
+           f"simulated {args.dataset}: {args.policy} on {args.engines}")
+    return 0 if summary.completed else 1
+
+
+def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:
+    from gateway.policies.registry import make_policy  # noqa: PLC0415
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    mixes = [m for m in (args.engines_list or args.engines).split(";") if m.strip()]
+    fleets = [parse_engines(m) for m in mixes]
+    for fleet in fleets:
+        _check_model(args, fleet)
+    params = _policy_params(args.policy_param)
+    for policy in policies:
+        make_policy(policy, params)
+    rates = None
+    if args.rates:
+        try:
+            rates = [float(r) for r in args.rates.split(",") if r.strip()]
+        except ValueError:
+            raise UsageError(f"--rates: expected numbers like 2,4,8, got {args.rates!r}") from None
+    variants = build_variants(policies, fleets, params)
+    runs = run_comparison(requests, spec, variants, _sim_options(args, policies[0]), rates=rates,
+                          slo=_slo(args), on_run=lambda run: print(f"done: {run['label']} at rate "
+                                                                   f"{run['rate']}", file=sys.stderr))
+    print(format_table(runs))
+    if args.output:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        config = {**_base_config(args, spec), "policies": policies, "engines_list": mixes, "rates": rates,
+                  "policy_params": params}
+        path.write_bytes(orjson.dumps(comparison_document(runs, config), option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"results: {path}")
+        if not args.no_plots:
+            from loadgen.plots import compare_figure, plot_paths  # noqa: PLC0415
+
+            png = compare_figure(runs, plot_paths(path)["compare"], f"{args.dataset}: latency vs load")
+            print(f"plot: {png}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, *, loop_factory: LoopFactory | None = None) -> int:
+    """Parse ``argv`` and run the command; returns the exit status (2 for operator errors)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        spec = arrival_spec(args)
+        if args.slo:
+            parse_slo(args.slo)
+        tokenizer_dir = getattr(args, "tokenizer", None)
+        tokenizer = Tokenizer.load(tokenizer_dir) if tokenizer_dir else Tokenizer.load_sim()
+        requests = load_requests(args, tokenizer, synthesize=args.command == "run")
+        if args.command == "run":
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                return runner.run(_live(args, schedule(requests, spec), spec))
+        if args.command == "simulate":
+            return _simulate(args, requests, spec)
+        return _compare(args, requests, spec)
+    except (UsageError, ValueError, FileNotFoundError, NotADirectoryError, TargetUnreachableError) as exc:
+        print(f"loadgen: error: {_one_line(exc)}", file=sys.stderr)
+        return 2

@@ -1,0 +1,172 @@
+"""Policy (or fleet) comparison in the simulator: the same trace and seed under each variant and request rate.
+
+Owns: ``Variant`` (a label, a policy with its parameters, and an engine mix), building the variants from
+policy and fleet lists, running the simulator once per (variant, rate) on schedules drawn from one request
+list with one seed, the side-by-side text table, and the comparison document layout.
+Must not: parse command lines, load datasets, plot (``loadgen.plots``) or write files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from loadgen.arrivals import ArrivalSpec, schedule
+from loadgen.datasets import Request
+from loadgen.metrics import Slo, summarize
+from loadgen.results import to_jsonable
+from loadgen.simulate import EngineSpec, SimOptions, simulate
+
+COMPARE_SCHEMA = "switchyard.loadgen.compare/1"
+
+# (header, summary key, format) of each table column after the label and rate.
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("completed", "completed", "{:d}"),
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("out tok/s", "output_throughput", "{:.0f}"),
+    ("TTFT p50", "median_ttft_ms", "{:.1f}"),
+    ("TTFT p99", "p99_ttft_ms", "{:.1f}"),
+    ("TPOT p50", "median_tpot_ms", "{:.2f}"),
+    ("TPOT p99", "p99_tpot_ms", "{:.2f}"),
+    ("E2E p50", "median_e2el_ms", "{:.0f}"),
+    ("E2E p90", "p90_e2el_ms", "{:.0f}"),
+    ("SLO att.", "slo_attainment", "{:.1%}"),
+    ("goodput", "request_goodput", "{:.2f}"),
+)
+
+
+def _no_params() -> Mapping[str, object]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of a comparison: a policy with its parameters on an engine mix."""
+
+    label: str
+    policy: str
+    engines: tuple[EngineSpec, ...]
+    policy_params: Mapping[str, object] = field(default_factory=_no_params)
+
+
+def engines_label(engines: Sequence[EngineSpec]) -> str:
+    return ",".join(f"{e.profile}:{e.count}" for e in engines)
+
+
+def build_variants(
+    policies: Sequence[str],
+    fleets: Sequence[Sequence[EngineSpec]],
+    policy_params: Mapping[str, object] | None = None,
+) -> list[Variant]:
+    """Every policy on every fleet; labels name only what varies (the policy, the fleet, or both)."""
+    if not policies or not fleets:
+        raise ValueError("a comparison needs at least one policy and one engine mix")
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"policies repeat: {list(policies)}")
+    params = dict(policy_params or {})
+    out = []
+    for fleet in fleets:
+        for policy in policies:
+            if len(fleets) == 1:
+                label = policy
+            elif len(policies) == 1:
+                label = engines_label(fleet)
+            else:
+                label = f"{policy} @ {engines_label(fleet)}"
+            out.append(Variant(label, policy, tuple(fleet), MappingProxyType(params)))
+    return out
+
+
+def run_comparison(
+    requests: Sequence[Request],
+    arrival: ArrivalSpec,
+    variants: Sequence[Variant],
+    options: SimOptions,
+    *,
+    rates: Sequence[float] | None = None,
+    slo: Slo | None = None,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One simulation per (rate, variant); each returns {label, policy, policy_params, engines, rate,
+    summary (vLLM-style flat dict), per_engine, timeline, sim_wall_s, simulated_s_per_wall_s}. Every variant
+    at a rate replays the identical schedule; ``on_run`` sees each run as it finishes."""
+    if rates is not None and arrival.timestamps:
+        raise ValueError("--rates sweeps the request rate and cannot be combined with --timestamps")
+    sweep: list[float | None] = list(rates) if rates else [None]
+    for rate in sweep:
+        if rate is not None and not rate > 0:
+            raise ValueError(f"rates must be > 0, got {rate}")
+    runs = []
+    for rate in sweep:
+        spec = arrival if rate is None else ArrivalSpec(**{**arrival.model_dump(), "rate_per_s": rate})
+        plan = schedule(requests, spec)
+        if not plan:
+            raise ValueError("the schedule is empty: no request to simulate")
+        for variant in variants:
+            opts = replace(options, policy=variant.policy, policy_params=variant.policy_params)
+            result = simulate(plan, variant.engines, opts)
+            summary = summarize(result.outcomes, max(result.duration_s, 1e-9), slo).to_dict()
+            run = {
+                "label": variant.label, "policy": variant.policy,
+                "policy_params": dict(variant.policy_params),
+                "engines": engines_label(variant.engines), "rate": spec.rate_per_s, "summary": summary,
+                "per_engine": result.per_engine, "timeline": result.timeline, "sim_wall_s": result.wall_s,
+                "simulated_s_per_wall_s": result.simulated_s_per_wall_s,
+                "events_processed": result.events_processed,
+            }
+            runs.append(run)
+            if on_run is not None:
+                on_run(run)
+    return runs
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "{:d}":
+        return fmt.format(int(value))
+    return fmt.format(float(value))
+
+
+def _rate_text(rate: Any) -> str:
+    return "inf" if isinstance(rate, float) and math.isinf(rate) else f"{float(rate):g}"
+
+
+def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """A fixed-width table, one row per run (variant x rate), latencies in ms."""
+    headers = ["variant", "rate", *(h for h, _, _ in TABLE_COLUMNS)]
+    rows = [[str(run["label"]), _rate_text(run["rate"]),
+             *(_cell(run["summary"].get(key), fmt) for _, key, fmt in TABLE_COLUMNS)] for run in runs]
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) if rows else len(headers[i])
+              for i in range(len(headers))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths,
+                                                                                            strict=True)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    return "\n".join(lines)
+
+
+def comparison_document(runs: Sequence[Mapping[str, Any]], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The comparison JSON: schema, the shared configuration and every run (without per-request outcomes)."""
+    return {"schema": COMPARE_SCHEMA, "config": to_jsonable(config), "runs": to_jsonable(list(runs))}
+
+
+AGREEMENT_KEYS: tuple[str, ...] = (
+    "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_e2el_ms", "p90_e2el_ms",
+    "output_throughput",
+)
+
+
+def agreement(live: Mapping[str, Any], simulated: Mapping[str, Any],
+              keys: Sequence[str] = AGREEMENT_KEYS) -> dict[str, dict[str, float | None]]:
+    """Live against simulated, per summary key: both values, live - sim and live / sim (None if sim is 0)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for key in keys:
+        a, b = float(live[key]), float(simulated[key])
+        out[key] = {"live": a, "sim": b, "diff": a - b, "ratio": a / b if b else None}
+    return out
