@@ -25,14 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from engine_agent.sim.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.compare import AGREEMENT_KEYS, agreement
 from loadgen.datasets import Request, load_dataset
-from loadgen.live import EngineTokenizer, LiveOptions, prepare_requests, run_live
+from loadgen.live import EngineTokenizer, LiveOptions, prepare_requests, run_live, wait_gateway_ready
 from loadgen.metrics import summarize
 from loadgen.paths import resolve_data_dir
 from loadgen.simulate import EngineSpec, SimOptions, simulate
@@ -47,23 +45,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
-
-async def wait_ready(url: str, engines: int, proc: asyncio.subprocess.Process,
-                     timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while loop.time() < deadline:
-            if proc.returncode is not None:
-                raise RuntimeError(f"gateway exited with {proc.returncode}")
-            try:
-                async with session.get(f"{url}/health") as resp:
-                    if resp.status == 200 and (await resp.json())["engines_ready"] >= engines:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"gateway at {url} did not see {engines} engines in {timeout_s} s")
 
 
 async def live_run(plan: Sequence[tuple[float, Request]], engines: int, policy: str,
@@ -80,7 +61,7 @@ async def live_run(plan: Sequence[tuple[float, Request]], engines: int, policy: 
                 cwd=REPO, stdout=log, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
-            await wait_ready(url, engines, proc)
+            await wait_gateway_ready(url, engines, proc)
             model = get_profile(PROFILE).model.name
             result = await run_live(plan, LiveOptions(url, model), progress=True)
             return result.outcomes, result.duration_s

@@ -69,7 +69,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
 
 
 async def models(_: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "mock"}]})
+    models_list = [{"id": MODEL, "object": "model", "owned_by": "mock"}]
+    return web.json_response({"object": "list", "data": models_list})
 
 
 def build_app(itl_s: float = 0.0) -> web.Application:

@@ -306,3 +306,27 @@ async def run_live(
     duration_s = end - run_start  # vLLM's benchmark duration: run start to the last request's end
     done = [o for o in outcomes if o is not None]
     return LiveResult(outcomes=done, duration_s=max(duration_s, 1e-9), timeline=timeline)
+
+
+async def wait_gateway_ready(
+    url: str, engines: int, proc: asyncio.subprocess.Process | None = None, timeout_s: float = 60.0
+) -> None:
+    """Wait until the gateway at `url` reports at least `engines` ready engines on `/health`.
+
+    Raises RuntimeError if `proc` (the gateway process, when we started it) exits first, TimeoutError after
+    `timeout_s`.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while loop.time() < deadline:
+            if proc is not None and proc.returncode is not None:
+                raise RuntimeError(f"gateway exited with {proc.returncode}")
+            try:
+                async with session.get(f"{url}/health") as resp:
+                    if resp.status == 200 and (await resp.json())["engines_ready"] >= engines:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"gateway at {url} did not see {engines} engines in {timeout_s} s")

@@ -1,6 +1,7 @@
 """The `EngineBackend` protocol and the domain types every backend speaks.
 
-Owns: what a backend is asked (token-id requests, aborts) and what it answers (token events, a finish, its state).
+Owns: what a backend is asked (token-id requests, aborts) and what it answers (token events, a finish, its
+state).
 Must not: know gRPC or protobuf (that is `engine_agent.service`), tokenize or detokenize text (that is
 `engine_agent.tokenization`, applied by the service around the backend), or read the wall clock directly.
 """

@@ -1,8 +1,8 @@
 """Immutable views of the fleet and of one request, the inputs every routing policy gets.
 
 Owns: `EngineView`, `ClusterSnapshot`, `RequestFeatures`, `EngineId`. These are the types the live gateway's
-cluster store and the discrete-event simulator both build (invariant I1), so a policy measured in simulation is
-the shipped policy.
+cluster store and the discrete-event simulator both build (invariant I1), so a policy measured in
+simulation is the shipped policy.
 Must not: import asyncio, grpc, aiohttp, prometheus or time; hold mutable state.
 """
 

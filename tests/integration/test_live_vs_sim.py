@@ -23,14 +23,13 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from engine_agent.tokenization import Tokenizer
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.compare import agreement
 from loadgen.datasets import load_dataset
-from loadgen.live import EngineTokenizer, LiveOptions, prepare_requests, run_live
+from loadgen.live import EngineTokenizer, LiveOptions, prepare_requests, run_live, wait_gateway_ready
 from loadgen.metrics import summarize
 from loadgen.simulate import EngineSpec, SimOptions, simulate
 from switchyard.local_fleet import AgentSpec, LocalFleet, terminate
@@ -55,23 +54,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def wait_engines_ready(url: str, count: int, proc: asyncio.subprocess.Process,
-                             timeout_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while loop.time() < deadline:
-            if proc.returncode is not None:
-                raise RuntimeError(f"gateway exited with {proc.returncode}")
-            try:
-                async with session.get(f"{url}/health") as resp:
-                    if resp.status == 200 and (await resp.json())["engines_ready"] >= count:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"gateway at {url} did not see {count} engines in {timeout_s} s")
-
 
 @pytest.fixture
 async def gateway_url(tmp_path: Path) -> AsyncIterator[str]:
@@ -85,7 +67,7 @@ async def gateway_url(tmp_path: Path) -> AsyncIterator[str]:
                 cwd=REPO, stdout=log, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}"
-            await wait_engines_ready(url, len(specs), proc, 60.0)
+            await wait_gateway_ready(url, len(specs), proc, 60.0)
             yield url
         finally:
             await terminate(proc, 10.0)
