@@ -10,7 +10,8 @@ Must not: write to the network or know about engines beyond counts and finish re
 from __future__ import annotations
 
 import time
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 
 class WallClock:
@@ -29,26 +30,59 @@ def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int)
     }
 
 
-class ChatFormat:
-    """Objects of one `/v1/chat/completions` response."""
+class _ResponseFormat(ABC):
+    """What chat and completions responses share: ids, the envelope, the usage chunk and the body."""
+
+    ID_PREFIX: ClassVar[str]
+    CHUNK_OBJECT: ClassVar[str]
+    BODY_OBJECT: ClassVar[str]
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool) -> None:
-        self.response_id = f"chatcmpl-{request_id}"
+        self.response_id = f"{self.ID_PREFIX}-{request_id}"
         self._created = created
         self._model = model
         self._include_usage = include_usage
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
             "id": self.response_id,
-            "object": "chat.completion.chunk",
+            "object": obj,
             "created": self._created,
             "model": self._model,
-            "choices": [choice],
+            "choices": choices,
         }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._envelope(self.CHUNK_OBJECT, [choice])
         if self._include_usage:
             chunk["usage"] = None
         return chunk
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._envelope(self.CHUNK_OBJECT, [])
+        chunk["usage"] = usage
+        return chunk
+
+    @abstractmethod
+    def _body_choice(self, index: int, text: str, finish_reason: str) -> dict[str, Any]:
+        """One choice of the non-streaming body, in the endpoint's shape."""
+
+    def body(self, texts: list[str], finish_reasons: list[str], usage: dict[str, Any]) -> dict[str, Any]:
+        choices = [
+            self._body_choice(i, text, reason)
+            for i, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
+        ]
+        body = self._envelope(self.BODY_OBJECT, choices)
+        body["usage"] = usage
+        return body
+
+
+class ChatFormat(_ResponseFormat):
+    """Objects of one `/v1/chat/completions` response."""
+
+    ID_PREFIX = "chatcmpl"
+    CHUNK_OBJECT = "chat.completion.chunk"
+    BODY_OBJECT = "chat.completion"
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return self._chunk(
@@ -68,55 +102,21 @@ class ChatFormat:
     def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
         return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})
 
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+    def _body_choice(self, index: int, text: str, finish_reason: str) -> dict[str, Any]:
         return {
-            "id": self.response_id,
-            "object": "chat.completion.chunk",
-            "created": self._created,
-            "model": self._model,
-            "choices": [],
-            "usage": usage,
-        }
-
-    def body(self, texts: list[str], finish_reasons: list[str], usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": "chat.completion",
-            "created": self._created,
-            "model": self._model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": reason,
-                }
-                for i, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
-            ],
-            "usage": usage,
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
         }
 
 
-class CompletionFormat:
+class CompletionFormat(_ResponseFormat):
     """Objects of one `/v1/completions` response."""
 
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool) -> None:
-        self.response_id = f"cmpl-{request_id}"
-        self._created = created
-        self._model = model
-        self._include_usage = include_usage
-
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "text_completion",
-            "created": self._created,
-            "model": self._model,
-            "choices": [choice],
-        }
-        if self._include_usage:
-            chunk["usage"] = None
-        return chunk
+    ID_PREFIX = "cmpl"
+    CHUNK_OBJECT = "text_completion"
+    BODY_OBJECT = "text_completion"
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return None  # completions have no role chunk
@@ -127,28 +127,8 @@ class CompletionFormat:
     def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
         return self._chunk({"text": "", "index": index, "logprobs": None, "finish_reason": finish_reason})
 
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": "text_completion",
-            "created": self._created,
-            "model": self._model,
-            "choices": [],
-            "usage": usage,
-        }
-
-    def body(self, texts: list[str], finish_reasons: list[str], usage: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": "text_completion",
-            "created": self._created,
-            "model": self._model,
-            "choices": [
-                {"text": text, "index": i, "logprobs": None, "finish_reason": reason}
-                for i, (text, reason) in enumerate(zip(texts, finish_reasons, strict=True))
-            ],
-            "usage": usage,
-        }
+    def _body_choice(self, index: int, text: str, finish_reason: str) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
 
 
 ResponseFormat = ChatFormat | CompletionFormat
