@@ -38,21 +38,35 @@ class EngineView:
     pending_prefill_tokens: int = 0
     running_batch_tokens: int = 0
     max_num_seqs: int = 0
-    # LENS state vector (zero when the engine does not run LENS).
-    predicted_batch_latency_s: float = 0.0
-    pending_work_tokens: float = 0.0
-    effective_free_kv_blocks: int = 0
-    peak_throughput_tokens_per_s: float = 0.0
+    last_iteration_s: float = 0.0  # duration of the engine's latest iteration (kept while it idles)
+    # LENS state vector, NexusSched Eq. 8 (zero when the engine does not run LENS; `has_lens` tells).
+    predicted_batch_latency_s: float = 0.0  # L-hat: predicted duration of the current batch
+    pending_work_tokens: float = 0.0  # W
+    effective_free_kv_blocks: int = 0  # M_free: free KV after reservations for queued requests
+    peak_throughput_tokens_per_s: float = 0.0  # P_max
+    prediction_error_ratio: float = 0.0  # recent |predicted - observed| / observed iteration time
+    slo_risk: bool = False  # the engine's feasible latency interval is empty (it cannot meet its SLOs)
     # Gateway-side optimistic accounting: requests this gateway dispatched and not yet finished.
     inflight_requests: int = 0
     inflight_tokens: int = 0  # prompt + max output tokens of those requests (an upper bound)
     # Dispatched since the engine's last report (so not yet reflected in num_running / num_waiting).
     unreported_requests: int = 0
-    unreported_tokens: int = 0
+    unreported_tokens: int = 0  # prompt + max output tokens
+    unreported_prompt_tokens: int = 0  # prompt tokens alone (estimates)
+    # Observed by this gateway: mean latencies of requests that finished on the engine within the cluster
+    # state's latency window (0.0 with no sample there), measured from dispatch to first token / to finish.
+    recent_ttft_s: float = 0.0
+    recent_e2e_s: float = 0.0
+    recent_latency_samples: int = 0
 
     @property
     def kv_free_ratio(self) -> float:
         return self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def has_lens(self) -> bool:
+        """Whether the engine reports LENS's state vector (P_max is positive whenever its model exists)."""
+        return self.peak_throughput_tokens_per_s > 0.0
 
     @property
     def queue_length(self) -> int:

@@ -1,7 +1,8 @@
 """The pure, synchronous cluster state: what every engine last reported plus this gateway's own accounting.
 
 Owns: `ClusterState`: the engines (added by id), their descriptions, connection flags and last reports, the
-optimistic in-flight accounting (`note_dispatch` / `note_finish`), the session table, and `snapshot(now_s)`,
+optimistic in-flight accounting (`note_dispatch` / `note_finish`), the session table, the windowed latency
+figures (`note_latency`), and `snapshot(now_s)`,
 the immutable `ClusterSnapshot` policies read (cached while nothing changed). The live gateway's
 `ClusterStore` drives it from its watch tasks and its clock; the discrete-event simulator drives it in virtual
 time (invariant I1: both give policies the same snapshots for the same events).
@@ -14,11 +15,16 @@ after the dispatch. The engine's clock at dispatch time is estimated from the la
 connection: engine_ts(dispatch) = report.engine_timestamp_s + (dispatch_now_s - report_received_s). A later
 report with engine_timestamp_s >= that estimate clears it; with no report yet on the connection, the first
 report clears it. `inflight_*` lasts until `note_finish`.
+
+Latency window: `note_latency(engine, ttft_s, e2e_s, now_s)` records one finished request (the dispatcher
+calls it for successful requests only, with latencies measured from its dispatch to that engine). A sample
+taken at t counts in the snapshot at now_s while now_s - t < latency_window_s; `recent_ttft_s` /
+`recent_e2e_s` are the plain means of the counted samples (0.0, with `recent_latency_samples` 0, when none).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -26,11 +32,13 @@ from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView
 from gateway.engines.base import EngineDescription, EngineReport
 
 DEFAULT_BLOCK_SIZE = 16  # assumed until an engine describes itself
+DEFAULT_LATENCY_WINDOW_S = 2.0  # NexusSched §7.4's latency-based baseline averages the last 2 s
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: one record per dispatch, even for a repeated id
 class _Dispatch:
-    tokens: int
+    tokens: int  # prompt + max output tokens
+    prompt_tokens: int
     engine_ts_estimate_s: float | None  # the engine's clock at dispatch time; None = no report to anchor to
     reported: bool = False
 
@@ -52,6 +60,20 @@ class _Engine:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     unreported_tokens: int = 0
+    unreported_prompt_tokens: int = 0
+    # (finished at, ttft_s, e2e_s) of requests finished within the latency window, oldest first, and sums.
+    latencies: deque[tuple[float, float, float]] = field(default_factory=deque)
+    ttft_sum_s: float = 0.0
+    e2e_sum_s: float = 0.0
+
+    def expire_latencies(self, now_s: float, window_s: float) -> None:
+        samples = self.latencies
+        while samples and now_s - samples[0][0] >= window_s:
+            _, ttft_s, e2e_s = samples.popleft()
+            self.ttft_sum_s -= ttft_s
+            self.e2e_sum_s -= e2e_s
+        if not samples:  # no drift carried over from long sums
+            self.ttft_sum_s = self.e2e_sum_s = 0.0
 
 
 class ClusterState:
@@ -64,11 +86,16 @@ class ClusterState:
         session_ttl_s: float = 600.0,
         max_sessions: int = 100_000,
         snapshot_resolution_s: float = 0.005,
+        latency_window_s: float = DEFAULT_LATENCY_WINDOW_S,
     ) -> None:
-        """A cached snapshot is reused while nothing changed, no engine crossed its staleness boundary and it
-        is younger than `snapshot_resolution_s` (so `taken_at_s` / `state_age_s` lag `now_s` by at most that).
+        """A cached snapshot is reused while nothing changed, no engine crossed its staleness boundary, no
+        latency sample left its window and it is younger than `snapshot_resolution_s` (so `taken_at_s` /
+        `state_age_s` lag `now_s` by at most that).
         """
+        if latency_window_s <= 0:
+            raise ValueError(f"latency_window_s must be > 0, got {latency_window_s}")
         self._stale_after_s = stale_after_s
+        self._latency_window_s = latency_window_s
         self._session_ttl_s = session_ttl_s
         self._max_sessions = max_sessions
         self._resolution_s = snapshot_resolution_s
@@ -128,6 +155,7 @@ class ClusterState:
                     if d.engine_ts_estimate_s is None or engine_ts_s >= d.engine_ts_estimate_s:
                         d.reported = True
                         state.unreported_tokens -= d.tokens
+                        state.unreported_prompt_tokens -= d.prompt_tokens
                     else:
                         still_unreported.append(d)
                 state.unreported = still_unreported
@@ -153,12 +181,14 @@ class ClusterState:
         estimate_s = None
         if state.anchor_engine_ts_s is not None:
             estimate_s = state.anchor_engine_ts_s + (now_s - state.anchor_received_s)
-        dispatch = _Dispatch(max(0, prompt_tokens) + max(0, max_tokens), estimate_s)
+        prompt = max(0, prompt_tokens)
+        dispatch = _Dispatch(prompt + max(0, max_tokens), prompt, estimate_s)
         state.inflight.setdefault(request_id, []).append(dispatch)
         state.inflight_requests += 1
         state.inflight_tokens += dispatch.tokens
         state.unreported.append(dispatch)
         state.unreported_tokens += dispatch.tokens
+        state.unreported_prompt_tokens += dispatch.prompt_tokens
         if session_id:
             self._sessions[session_id] = (engine_id, now_s)
             self._sessions.move_to_end(session_id)
@@ -181,6 +211,21 @@ class ClusterState:
         if not dispatch.reported:
             state.unreported.remove(dispatch)
             state.unreported_tokens -= dispatch.tokens
+            state.unreported_prompt_tokens -= dispatch.prompt_tokens
+        self._changed = True
+
+    def note_latency(self, engine_id: EngineId, ttft_s: float, e2e_s: float, now_s: float) -> None:
+        """A request served by `engine_id` finished at `now_s` with these latencies (from its dispatch
+        there); it counts in the engine's recent latency figures for the latency window. Unknown engines are
+        ignored."""
+        state = self._engines.get(engine_id)
+        if state is None:
+            return
+        ttft_s, e2e_s = max(0.0, ttft_s), max(0.0, e2e_s)
+        state.expire_latencies(now_s, self._latency_window_s)
+        state.latencies.append((now_s, ttft_s, e2e_s))
+        state.ttft_sum_s += ttft_s
+        state.e2e_sum_s += e2e_s
         self._changed = True
 
     def session_lookup(self, session_id: str, now_s: float) -> tuple[EngineId | None, float]:
@@ -216,9 +261,14 @@ class ClusterState:
             return cached
         next_stale_s = float("inf")
         stale_after_s = self._stale_after_s
+        window_s = self._latency_window_s
         views: list[EngineView] = []
         view_of = self._view
         for state in self._order:
+            if state.latencies:
+                state.expire_latencies(now_s, window_s)
+                if state.latencies:
+                    next_stale_s = min(next_stale_s, state.latencies[0][0] + window_s)
             view = view_of(state, now_s)
             if state.report is not None and not view.stale:
                 boundary_s = state.report_received_s + stale_after_s
@@ -235,6 +285,9 @@ class ClusterState:
         desc, report = state.description, state.report
         block_size = desc.block_size if desc is not None and desc.block_size > 0 else DEFAULT_BLOCK_SIZE
         max_num_seqs = desc.max_num_seqs if desc is not None else 0
+        samples = len(state.latencies)
+        recent_ttft_s = state.ttft_sum_s / samples if samples else 0.0
+        recent_e2e_s = state.e2e_sum_s / samples if samples else 0.0
         if report is None:
             return EngineView(
                 engine_id=state.engine_id,
@@ -248,6 +301,10 @@ class ClusterState:
                 inflight_tokens=state.inflight_tokens,
                 unreported_requests=len(state.unreported),
                 unreported_tokens=state.unreported_tokens,
+                unreported_prompt_tokens=state.unreported_prompt_tokens,
+                recent_ttft_s=recent_ttft_s,
+                recent_e2e_s=recent_e2e_s,
+                recent_latency_samples=samples,
                 ready=False,
                 stale=True,
                 state_age_s=now_s - state.added_at_s,
@@ -265,6 +322,10 @@ class ClusterState:
             inflight_tokens=state.inflight_tokens,
             unreported_requests=len(state.unreported),
             unreported_tokens=state.unreported_tokens,
+            unreported_prompt_tokens=state.unreported_prompt_tokens,
+            recent_ttft_s=recent_ttft_s,
+            recent_e2e_s=recent_e2e_s,
+            recent_latency_samples=samples,
             ready=state.connected and report.ready and not report.draining,
             stale=age_s > self._stale_after_s,
             state_age_s=age_s,
@@ -276,10 +337,13 @@ class ClusterState:
             kv_blocks_reserved=report.kv_blocks_reserved,
             pending_prefill_tokens=report.pending_prefill_tokens,
             running_batch_tokens=report.running_batch_tokens,
+            last_iteration_s=report.last_iteration_s,
             predicted_batch_latency_s=report.predicted_batch_latency_s,
             pending_work_tokens=report.pending_work_tokens,
             effective_free_kv_blocks=report.effective_free_kv_blocks,
             peak_throughput_tokens_per_s=report.peak_throughput_tokens_per_s,
+            prediction_error_ratio=report.prediction_error_ratio,
+            slo_risk=report.slo_risk,
         )
 
     def engine_ids(self) -> tuple[EngineId, ...]:

@@ -194,6 +194,10 @@ class ClusterStore:
         """Forget a dispatched request (its oldest dispatch if the id was reused); unknown ids are ignored."""
         self._state.note_finish(engine_id, request_id)
 
+    def note_latency(self, engine_id: EngineId, ttft_s: float, e2e_s: float, now_s: float) -> None:
+        """A request finished successfully on `engine_id` at `now_s` (feeds the windowed latency figures)."""
+        self._state.note_latency(engine_id, ttft_s, e2e_s, now_s)
+
     def session_lookup(self, session_id: str) -> tuple[EngineId | None, float]:
         """(engine that last served the session, when) or (None, 0.0) when unknown or older than the TTL."""
         return self._state.session_lookup(session_id, self._clock.now())

@@ -4,9 +4,12 @@ Owns: `Dispatcher`: build `RequestFeatures` (clock, dispatch sequence and random
 policy stays pure), take a snapshot, time `policy.pick`, `note_dispatch`, open the engine stream, relay its
 events to an `EventSink`, retry on `EngineUnavailable` before the first event (on engines not yet tried,
 bounded), fan out n choices and merge them by choice index, enforce the request timeout, close the engine
-stream whenever the relay ends early (the engine aborts), count client disconnects, and `note_finish` always.
+stream whenever the relay ends early (the engine aborts), count client disconnects, `note_finish` always, and
+`note_latency` for each choice that finished successfully (its TTFT and E2E measured from the dispatch to the
+engine that served it, so a retry's earlier attempts do not count against that engine; this feeds the
+latency-based policy's windowed figures).
 Must not: format HTTP or SSE (the sink does), parse requests, or mutate the cluster beyond
-note_dispatch/finish.
+note_dispatch/finish/latency.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class RoutingState(Protocol):
     ) -> None: ...
 
     def note_finish(self, engine_id: EngineId, request_id: str) -> None: ...
+
+    def note_latency(self, engine_id: EngineId, ttft_s: float, e2e_s: float, now_s: float) -> None: ...
 
     def session_lookup(self, session_id: str) -> tuple[EngineId | None, float]: ...
 
@@ -226,6 +231,9 @@ class Dispatcher:
                             break
                 if not finished:
                     raise EngineStreamError("engine stream ended without a finish event")
+                done_s = self._clock.now()
+                first_s = timing.first_token_s if timing.first_token_s is not None else done_s
+                self._state.note_latency(engine_id, first_s - now_s, done_s - now_s, done_s)
                 return
             finally:
                 try:
@@ -241,6 +249,7 @@ class Dispatcher:
         if isinstance(event, Delta):
             now_s = self._clock.now()
             if timing.last_token_s is None:
+                timing.first_token_s = now_s
                 self._metrics.ttft.observe(now_s - timing.arrival_s)
             else:
                 self._metrics.itl.observe(now_s - timing.last_token_s)
@@ -252,8 +261,9 @@ class Dispatcher:
 
 
 class _ChoiceTiming:
-    __slots__ = ("arrival_s", "last_token_s")
+    __slots__ = ("arrival_s", "first_token_s", "last_token_s")
 
     def __init__(self, arrival_s: float) -> None:
         self.arrival_s = arrival_s
+        self.first_token_s: float | None = None
         self.last_token_s: float | None = None

@@ -110,6 +110,9 @@ class EngineReport:
     pending_work_tokens: float = 0.0
     effective_free_kv_blocks: int = 0
     peak_throughput_tokens_per_s: float = 0.0
+    prediction_error_ratio: float = 0.0
+    slo_risk: bool = False
+    last_iteration_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

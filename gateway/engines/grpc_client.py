@@ -103,6 +103,12 @@ def from_generate_event(event: pb.GenerateEvent) -> EngineEvent:
             prefill_s=f.timings.prefill_s,
             decode_s=f.timings.decode_s,
         )
+    if kind == "migrated":
+        # Following the request to its new engine (MigrateIn + splice) is STAR's proxy, not built yet.
+        raise EngineStreamError(
+            f"request {event.migrated.ticket.request_id!r} was migrated to another engine; "
+            "this gateway does not follow migrations yet"
+        )
     raise EngineStreamError(f"unknown generate event {kind!r}")
 
 
@@ -129,6 +135,9 @@ def from_engine_state(state: pb.EngineState) -> EngineReport:
         pending_work_tokens=lens.pending_work_tokens,
         effective_free_kv_blocks=lens.effective_free_kv_blocks,
         peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
+        prediction_error_ratio=lens.prediction_error_ratio,
+        slo_risk=lens.slo_risk,
+        last_iteration_s=state.last_iteration_s,
     )
 
 

@@ -171,3 +171,58 @@ def test_state_module_imports_no_io_or_clock() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert names & {"asyncio", "aiohttp", "grpc", "prometheus_client", "time", "switchyard"} == set()
+
+
+def test_lens_state_and_last_iteration_reach_the_view() -> None:
+    state = connected(A, now_s=0.0)
+    lens = {
+        "predicted_batch_latency_s": 0.02, "pending_work_tokens": 900.0, "effective_free_kv_blocks": 70,
+        "peak_throughput_tokens_per_s": 12_000.0, "prediction_error_ratio": 0.1, "slo_risk": True,
+        "last_iteration_s": 0.03,
+    }
+    state.on_report(A, report(2, 0.1, **lens), 0.1)
+    view = state.snapshot(0.1).engines[0]
+    assert {k: getattr(view, k) for k in lens} == lens
+    assert view.has_lens
+
+
+def test_unreported_prompt_tokens_follow_the_unreported_dispatches() -> None:
+    state = connected(A, now_s=0.0)
+    state.note_dispatch(A, "r1", 100, 20, "", 0.1)
+    state.note_dispatch(A, "r2", 30, 10, "", 0.2)
+    view = state.snapshot(0.2).engines[0]
+    assert (view.unreported_requests, view.unreported_tokens, view.unreported_prompt_tokens) == (2, 160, 130)
+    state.note_finish(A, "r2")  # finished before any report saw it
+    assert state.snapshot(0.2).engines[0].unreported_prompt_tokens == 100
+    state.on_report(A, report(2, 0.15), 0.25)  # taken after r1's dispatch
+    view = state.snapshot(0.25).engines[0]
+    assert (view.unreported_requests, view.unreported_prompt_tokens) == (0, 0)
+
+
+def test_latency_window_means_and_expiry() -> None:
+    state = connected(A, B, now_s=0.0, latency_window_s=2.0)
+    state.note_latency(A, 0.2, 1.0, 1.0)
+    state.note_latency(A, 0.4, 3.0, 2.0)
+    state.note_latency(A, -1.0, -1.0, 2.0)  # clamped to 0
+    state.note_latency(EngineId("gone"), 1.0, 1.0, 2.0)  # unknown engine: ignored
+    view = state.snapshot(2.5).engines[0]
+    assert (view.recent_ttft_s, view.recent_e2e_s, view.recent_latency_samples) == (
+        pytest.approx(0.2), pytest.approx(4 / 3), 3)
+    assert state.snapshot(2.5).engines[1].recent_latency_samples == 0
+    view = state.snapshot(3.0).engines[0]  # the sample at 1.0 is 2 s old: out
+    assert (view.recent_ttft_s, view.recent_e2e_s, view.recent_latency_samples) == (
+        pytest.approx(0.2), pytest.approx(1.5), 2)  # running sums: exact up to rounding
+    assert state.snapshot(4.0).engines[0].recent_latency_samples == 0
+    with pytest.raises(ValueError):
+        ClusterState(latency_window_s=0.0)
+
+
+def test_a_cached_snapshot_is_not_reused_past_a_latency_sample_s_expiry() -> None:
+    state = ClusterState(stale_after_s=100.0, snapshot_resolution_s=10.0, latency_window_s=1.0)
+    state.add_engine(A, 0.0)
+    state.on_connect(A)
+    state.on_report(A, report(1, 0.0), 0.0)
+    state.note_latency(A, 0.1, 0.5, 0.0)
+    first = state.snapshot(0.5)
+    assert first.engines[0].recent_latency_samples == 1 and state.snapshot(0.9) is first
+    assert state.snapshot(1.0).engines[0].recent_latency_samples == 0

@@ -66,3 +66,22 @@ def test_env_overrides_only_read_the_prefix() -> None:
 def test_config_is_frozen() -> None:
     with pytest.raises(ValueError, match="frozen"):
         GatewayConfig().port = 1  # type: ignore[misc]
+
+
+def test_nested_policy_params_from_a_file_build_prism_and_static_weighted(tmp_path: Path) -> None:
+    from gateway.policies.registry import make_policy  # noqa: PLC0415 (config must not import policies)
+
+    path = tmp_path / "gw.yaml"
+    path.write_text(
+        "policy:\n  name: prism\n  params: {weights: {affinity: 2.0}, tpot_slo_ms: 12}\n"
+        "slo: {ttft_ms: 2000, tpot_ms: 12}\n"
+    )
+    c = build_config(file_path=path)
+    assert (c.slo.ttft_ms, c.slo.tpot_ms) == (2000.0, 12.0)
+    assert make_policy(c.policy.name, c.policy.params).NAME == "prism"
+    environ = {
+        "SWITCHYARD_GATEWAY_POLICY__NAME": "static_weighted",
+        "SWITCHYARD_GATEWAY_POLICY__PARAMS": '{"weights": {"10.0.0.1:50051": 3, "a6000x2-llama3-8b": 1}}',
+    }
+    c = build_config(environ=environ)
+    assert make_policy(c.policy.name, c.policy.params).NAME == "static_weighted"

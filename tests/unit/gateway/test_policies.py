@@ -7,10 +7,13 @@ from builders import engine, features, snapshot
 
 from gateway.cluster.snapshot import ClusterSnapshot, EngineId, RequestFeatures
 from gateway.policies.base import Policy
+from gateway.policies.latency_based import LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedPolicy
+from gateway.policies.prism import PrismPolicy
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.policies.round_robin import RoundRobinPolicy
 from gateway.policies.session_affinity import SessionAffinityPolicy, is_saturated
+from gateway.policies.static_weighted import StaticWeightedPolicy
 
 THREE = snapshot(engine("c"), engine("a"), engine("b"))
 
@@ -234,6 +237,10 @@ def test_is_saturated(view_fields: dict[str, int], expected: bool) -> None:
     [
         ("round_robin", None, RoundRobinPolicy),
         ("least_loaded", {}, LeastLoadedPolicy),
+        ("least_loaded", {"measure": "requests"}, LeastLoadedPolicy),
+        ("prism", None, PrismPolicy),
+        ("latency_based", {"metric": "ttft"}, LatencyBasedPolicy),
+        ("static_weighted", {"weights": {"a": 2}}, StaticWeightedPolicy),
         ("session_affinity", None, SessionAffinityPolicy),
         (
             "session_affinity",
@@ -249,7 +256,14 @@ def test_registry_builds(name: str, params: dict[str, object] | None, cls: type)
 
 
 def test_registry_names_match_policy_names() -> None:
-    assert POLICY_NAMES == ("least_loaded", "round_robin", "session_affinity")
+    assert POLICY_NAMES == (
+        "latency_based",
+        "least_loaded",
+        "prism",
+        "round_robin",
+        "session_affinity",
+        "static_weighted",
+    )
     assert {make_policy(n).NAME for n in POLICY_NAMES} == set(POLICY_NAMES)
 
 
@@ -262,9 +276,14 @@ def test_session_affinity_default_fallback_is_least_loaded() -> None:
 @pytest.mark.parametrize(
     ("name", "params", "message"),
     [
-        ("nope", None, "unknown policy 'nope'; known policies: least_loaded, round_robin, session_affinity"),
+        (
+            "nope",
+            None,
+            "unknown policy 'nope'; known policies: latency_based, least_loaded, prism, round_robin, "
+            "session_affinity, static_weighted",
+        ),
         ("round_robin", {"x": 1}, "takes no parameters"),
-        ("least_loaded", {"x": 1}, "takes no parameters"),
+        ("least_loaded", {"x": 1}, "unknown parameters ['x']"),
         ("session_affinity", {"ttl": 1}, "unknown parameters ['ttl']"),
         ("session_affinity", {"ttl_s": "10"}, "'ttl_s' must be a number"),
         ("session_affinity", {"ttl_s": True}, "'ttl_s' must be a number"),
@@ -276,7 +295,7 @@ def test_session_affinity_default_fallback_is_least_loaded() -> None:
         ("session_affinity", {"fallback_params": [1]}, "must be a mapping"),
         (
             "session_affinity",
-            {"fallback": "least_loaded", "fallback_params": {"x": 1}},
+            {"fallback": "round_robin", "fallback_params": {"x": 1}},
             "takes no parameters",
         ),
     ],

@@ -1,0 +1,514 @@
+"""PRISM (NexusSched Eq. 9): each factor's formula, their product, stale state, ties, and the SLO headers that
+feed it. Table-driven over hand-made snapshots with exact expectations."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from builders import engine, features, snapshot
+from fake_engines import FakeEngine, ok_script, serving
+
+from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.policies.prism import (
+    CAPACITY_EPSILON,
+    PrismParams,
+    PrismPolicy,
+    PrismWeights,
+    class_peak_tokens_per_s,
+    confidence,
+    factors,
+)
+from gateway.policies.registry import make_policy
+from gateway.policies.static_weighted import GPU_CLASS_WEIGHTS
+
+P = PrismParams()  # defaults: T_ttft 2 s, T_tpot 50 ms, k 4, tau 1 s, kappa 1, beta 1.5, d 128, P 20k tok/s
+
+
+def f(m: float, k: float = 4.0) -> float:
+    return 1.0 / (1.0 + m**k)
+
+
+def only(view: EngineView, feats: RequestFeatures | None = None, params: PrismParams = P) -> Any:
+    return factors(view, feats or features(), snapshot(view), params)
+
+
+# ---- each factor's formula ---------------------------------------------------------------------------------
+
+LENS = {"peak_throughput_tokens_per_s": 10_000.0}
+
+
+@pytest.mark.parametrize(
+    ("case", "view_fields", "feat_fields", "expected"),
+    [
+        ("idle engine, no LENS: L = 0", {}, {}, f(100 / 20_000 / 2.0)),
+        (
+            "busy, no LENS: L = last iteration, prefill ahead at the default P",
+            {"num_running": 2, "last_iteration_s": 0.05, "pending_prefill_tokens": 1900},
+            {},
+            f((0.05 + 2000 / 20_000) / 2.0) * f(0.05 / 0.05),
+        ),
+        (
+            "idle, no LENS: a stale last iteration time does not count",
+            {"last_iteration_s": 0.5},
+            {},
+            f(100 / 20_000 / 2.0),
+        ),
+        (
+            "LENS: L-hat inflated by the prediction error, P_max",
+            LENS | {"predicted_batch_latency_s": 0.02, "prediction_error_ratio": 0.5},
+            {},
+            f((0.03 + 100 / 10_000) / 2.0) * f(0.03 / 0.05),
+        ),
+        (
+            "unreported prompts are ahead of the request",
+            {"unreported_requests": 1, "unreported_prompt_tokens": 900},
+            {},
+            f(1000 / 20_000 / 2.0),
+        ),
+        (
+            "the request's own SLOs replace the defaults",
+            LENS | {"predicted_batch_latency_s": 0.02},
+            {"slo_ttft_s": 0.05, "slo_tpot_s": 0.01},
+            f(0.03 / 0.05) * f(0.02 / 0.01),
+        ),
+        (
+            "slo_risk halves it",
+            LENS | {"predicted_batch_latency_s": 0.02, "slo_risk": True},
+            {},
+            0.5 * f(0.03 / 2.0) * f(0.02 / 0.05),
+        ),
+    ],
+)
+def test_latency_factor(
+    case: str, view_fields: dict[str, Any], feat_fields: dict[str, Any], expected: float
+) -> None:
+    got = only(engine("a", **view_fields), features(prompt_tokens=100, **feat_fields)).latency
+    assert got == pytest.approx(expected, rel=1e-12), case
+
+
+def test_latency_factor_is_half_at_the_slo_and_plummets_beyond() -> None:
+    at_slo = engine("a", **LENS, predicted_batch_latency_s=0.05)
+    assert only(at_slo, features(prompt_tokens=0, slo_ttft_s=100.0)).latency == pytest.approx(0.5)
+    over = engine("a", **LENS, predicted_batch_latency_s=0.15)
+    assert only(over, features(prompt_tokens=0, slo_ttft_s=100.0)).latency == pytest.approx(1 / 82)
+
+
+@pytest.mark.parametrize(
+    ("case", "view_fields", "expected_rho_s"),
+    [
+        ("idle, no LENS: only the request's prefill", {}, 100 / 20_000),
+        (
+            "no LENS: W = pending prefill + d per queued request",
+            {"pending_prefill_tokens": 1000, "num_running": 3, "num_waiting": 1},
+            (1000 + 128 * 4 + 100) / 20_000,
+        ),
+        ("LENS: W / P_max", LENS | {"pending_work_tokens": 9900.0}, 10_000 / 10_000),
+        (
+            "LENS: in-flight requests since the report add their prompts and d each",
+            LENS | {"pending_work_tokens": 1000.0, "unreported_requests": 2, "unreported_prompt_tokens": 700},
+            (1000 + 700 + 2 * 128 + 100) / 10_000,
+        ),
+    ],
+)
+def test_load_factor(case: str, view_fields: dict[str, Any], expected_rho_s: float) -> None:
+    got = only(engine("a", **view_fields), features(prompt_tokens=100)).load
+    assert got == pytest.approx(1 / (1 + expected_rho_s / 1.0), rel=1e-12), case
+
+
+def cap(x: float, kappa: float = 1.0) -> float:
+    if x >= 1:
+        return 1 - (1 - CAPACITY_EPSILON) * math.exp(-(x - 1) / kappa)
+    return CAPACITY_EPSILON * (1 + max(x, 0.0)) / 2
+
+
+# Request: 100 prompt + 60 output tokens = 160 tokens = 10 blocks of 16.
+KV = {"kv_blocks_total": 1000}
+
+
+@pytest.mark.parametrize(
+    ("case", "view_fields", "expected"),
+    [
+        ("KV size unknown -> neutral", {"kv_blocks_free": 0}, 1.0),
+        (
+            "no LENS: free - reserved = 30 blocks, x = 3",
+            KV | {"kv_blocks_free": 40, "kv_blocks_reserved": 10},
+            cap(3),
+        ),
+        ("exactly fits: x = 1 -> eps", KV | {"kv_blocks_free": 10}, cap(1)),
+        ("does not fit: x = 0.5", KV | {"kv_blocks_free": 5}, cap(0.5)),
+        (
+            "nothing free (reservations exceed free)",
+            KV | {"kv_blocks_free": 5, "kv_blocks_reserved": 9},
+            cap(0),
+        ),
+        ("ample room -> 1", KV | {"kv_blocks_free": 1000}, 1.0),
+        (
+            "LENS: effective free KV",
+            KV | LENS | {"kv_blocks_free": 1000, "effective_free_kv_blocks": 20},
+            cap(2),
+        ),
+        (
+            "unreported demand is taken off: ceil(330 / 16) = 21 blocks",
+            KV | {"kv_blocks_free": 61, "unreported_tokens": 330},
+            cap(4),
+        ),
+    ],
+)
+def test_capacity_factor(case: str, view_fields: dict[str, Any], expected: float) -> None:
+    got = only(engine("a", **view_fields), features(prompt_tokens=100, max_tokens=60)).capacity
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-300), case
+
+
+def test_capacity_is_a_hard_near_zero_when_the_request_does_not_fit() -> None:
+    feats = features(prompt_tokens=100, max_tokens=60)
+    assert only(engine("a", **KV, kv_blocks_free=9), feats).capacity < CAPACITY_EPSILON
+    assert only(engine("a", **KV, kv_blocks_free=40), feats).capacity > 0.8
+
+
+@pytest.mark.parametrize(
+    ("case", "session_engine", "engine_id", "expected"),
+    [
+        ("no session record: neutral", None, "a", 1.0),
+        ("the session's engine", "a", "a", 1.0),
+        ("another engine: 1 / beta", "b", "a", 1 / 1.5),
+    ],
+)
+def test_affinity_factor(case: str, session_engine: str | None, engine_id: str, expected: float) -> None:
+    got = only(engine(engine_id), features(session_engine=session_engine)).affinity
+    assert got == pytest.approx(expected), case
+
+
+def test_every_factor_is_in_zero_one() -> None:
+    views = [
+        engine("a"),
+        engine("b", num_running=900, last_iteration_s=9.0, pending_prefill_tokens=10**7, **KV),
+        engine("c", **LENS, **KV, predicted_batch_latency_s=5.0, pending_work_tokens=1e9, slo_risk=True),
+    ]
+    for view in views:
+        for value in only(view, features(session_engine="z", prompt_tokens=10**5)):
+            assert 0.0 < value <= 1.0
+
+
+def test_fallback_peak_is_the_median_reported_one() -> None:
+    plain = engine("a", pending_prefill_tokens=900)
+    snap = snapshot(plain, engine("b", peak_throughput_tokens_per_s=4000.0), engine("c", **LENS))
+    got = factors(plain, features(prompt_tokens=100), snap).load
+    assert got == pytest.approx(1 / (1 + 1000 / 7000))
+
+
+def test_without_any_p_max_the_gpu_class_scales_the_default_peak() -> None:
+    h100 = engine("a", profile="h100-llama3-8b", pending_prefill_tokens=1900)
+    a6000x2 = engine("b", profile="a6000x2-llama3-8b", pending_prefill_tokens=1900)
+    other = engine("c", profile="tpu-x", pending_prefill_tokens=1900)
+    snap = snapshot(h100, a6000x2, other)
+    feats = features(prompt_tokens=100)
+    peak_b = 20_000 * 2 * GPU_CLASS_WEIGHTS["a6000"]
+    assert factors(h100, feats, snap).load == pytest.approx(1 / (1 + 2000 / 20_000))
+    assert factors(a6000x2, feats, snap).load == pytest.approx(1 / (1 + 2000 / peak_b))
+    assert factors(other, feats, snap).load == pytest.approx(1 / (1 + 2000 / 20_000))
+    assert class_peak_tokens_per_s("a100-llama3-8b", P) == pytest.approx(20_000 * GPU_CLASS_WEIGHTS["a100"])
+    assert pick(snapshot(a6000x2, engine("a", profile="h100-llama3-8b", pending_prefill_tokens=2500))) == "a"
+
+
+# ---- the product and the pick ------------------------------------------------------------------------------
+
+
+def pick(snap: ClusterSnapshot, feats: RequestFeatures | None = None, **params: Any) -> EngineId | None:
+    return PrismPolicy(PrismParams(**params)).pick(feats or features(), snap)
+
+
+@pytest.mark.parametrize(
+    ("case", "snap", "feats", "expected"),
+    [
+        (
+            "heterogeneous: same queue, the faster engine drains sooner",
+            snapshot(
+                engine("a", peak_throughput_tokens_per_s=5_000.0, pending_work_tokens=2000.0),
+                engine("b", peak_throughput_tokens_per_s=20_000.0, pending_work_tokens=2000.0),
+            ),
+            features(),
+            "b",
+        ),
+        (
+            "lower predicted latency wins when the loads are equal",
+            snapshot(
+                engine("a", **LENS, predicted_batch_latency_s=0.04),
+                engine("b", **LENS, predicted_batch_latency_s=0.01),
+            ),
+            features(),
+            "b",
+        ),
+        (
+            "no LENS: fewer queued requests and prefill wins",
+            snapshot(
+                engine("a", num_running=8, last_iteration_s=0.03),
+                engine("b", num_running=2, last_iteration_s=0.02),
+            ),
+            features(),
+            "b",
+        ),
+        (
+            "optimistic accounting: dispatches since the report count",
+            snapshot(engine("a", unreported_requests=3, unreported_prompt_tokens=1500), engine("b")),
+            features(),
+            "b",
+        ),
+        (
+            "capacity gate: an idle engine without room loses to a busy one with room",
+            snapshot(
+                engine("a", **KV, kv_blocks_free=5),
+                engine(
+                    "b",
+                    **KV,
+                    kv_blocks_free=900,
+                    num_running=20,
+                    last_iteration_s=0.03,
+                    pending_prefill_tokens=3000,
+                ),
+            ),
+            features(prompt_tokens=100, max_tokens=60),
+            "b",
+        ),
+        (
+            "no engine has room: the one with most room",
+            snapshot(engine("a", **KV, kv_blocks_free=2), engine("b", **KV, kv_blocks_free=6)),
+            features(prompt_tokens=100, max_tokens=60),
+            "b",
+        ),
+        (
+            "session bonus on a tie",
+            snapshot(engine("a"), engine("b"), engine("c")),
+            features(session_engine="c"),
+            "c",
+        ),
+        (
+            "the bonus does not outweigh a much heavier load",
+            snapshot(
+                engine("a", pending_prefill_tokens=40_000, num_running=30, last_iteration_s=0.06), engine("b")
+            ),
+            features(session_engine="a"),
+            "b",
+        ),
+        (
+            "excluded, not ready and other-model engines are skipped",
+            snapshot(
+                engine("a", ready=False), engine("b", model="x"), engine("c", num_running=50), engine("d")
+            ),
+            features(exclude=("d",)),
+            "c",
+        ),
+        ("no engine of the model", snapshot(engine("a")), features(model="other"), None),
+        ("empty fleet", snapshot(), features(), None),
+    ],
+)
+def test_pick(case: str, snap: ClusterSnapshot, feats: RequestFeatures, expected: str | None) -> None:
+    assert pick(snap, feats) == expected, case
+
+
+def test_score_is_the_weighted_product_of_the_factors() -> None:
+    views = (
+        engine(
+            "a",
+            **LENS,
+            **KV,
+            predicted_batch_latency_s=0.03,
+            pending_work_tokens=5000.0,
+            effective_free_kv_blocks=30,
+        ),
+        engine(
+            "b", **KV, num_running=4, last_iteration_s=0.02, kv_blocks_free=500, pending_prefill_tokens=700
+        ),
+    )
+    snap = snapshot(*views)
+    feats = features(prompt_tokens=100, max_tokens=60, session_engine="b")
+    weights = PrismWeights(latency=2.0, load=0.5, capacity=1.0, affinity=3.0)
+    params = PrismParams(weights=weights)
+    scores = {e: s for e, s, _ in PrismPolicy(params).scores(feats, snap)}
+    for view in views:
+        lat, load, capacity, aff = factors(view, feats, snap, params)
+        expected = lat**2.0 * load**0.5 * capacity * aff**3.0
+        assert math.exp(scores[view.engine_id]) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [
+        ({}, "b"),  # a is loaded and slow: b
+        ({"latency": 0.0, "load": 0.0}, "a"),  # only capacity left: a has more room
+        ({"latency": 0.0, "load": 0.0, "capacity": 0.0}, "c"),  # only affinity left: the session's engine
+        ({"latency": 0.0, "load": 0.0, "capacity": 0.0, "affinity": 0.0}, "a"),  # all off: a tie, rand 0
+    ],
+)
+def test_a_zero_weight_switches_its_factor_off(weights: dict[str, float], expected: str) -> None:
+    snap = snapshot(
+        engine(
+            "a",
+            **KV,
+            kv_blocks_free=1000,
+            num_running=30,
+            last_iteration_s=0.08,
+            pending_prefill_tokens=20_000,
+        ),
+        engine("b", **KV, kv_blocks_free=100),
+        engine("c", **KV, kv_blocks_free=20, num_running=10, last_iteration_s=0.03),
+    )
+    feats = features(prompt_tokens=100, max_tokens=60, session_engine="c", rand=0.0)
+    assert pick(snap, feats, weights=PrismWeights(**weights)) == expected
+
+
+# ---- ties, stale state -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rand", "expected"), [(0.0, "a"), (0.24, "a"), (0.25, "b"), (0.6, "c"), (0.99, "d")]
+)
+def test_exact_ties_are_broken_by_rand_in_engine_id_order(rand: float, expected: str) -> None:
+    snap = snapshot(*(engine(e, num_running=3, last_iteration_s=0.02) for e in "dcba"))
+    assert pick(snap, features(rand=rand)) == expected
+
+
+def test_ties_spread_evenly_over_the_tied_engines() -> None:
+    snap = snapshot(engine("a"), engine("b"), engine("c"), engine("x", num_running=9, last_iteration_s=0.1))
+    picks = [pick(snap, features(rand=i / 300)) for i in range(300)]
+    assert {e: picks.count(EngineId(e)) for e in "abcx"} == {"a": 100, "b": 100, "c": 100, "x": 0}
+
+
+@pytest.mark.parametrize(
+    ("age_s", "expected"),
+    [(0.0, 1.0), (0.25, 1.0), (1.25, 0.5), (2.25, 0.25)],
+)
+def test_confidence_halves_per_half_life_after_the_fresh_age(age_s: float, expected: float) -> None:
+    assert confidence(engine("a", state_age_s=age_s)) == pytest.approx(expected)
+    assert confidence(engine("a", state_age_s=age_s, stale=True)) == 0.0
+
+
+def test_an_old_report_is_blended_toward_the_fleet_mean() -> None:
+    good = {"num_running": 1, "last_iteration_s": 0.01}
+    bad = {"num_running": 40, "last_iteration_s": 0.09, "pending_prefill_tokens": 30_000}
+    fresh = snapshot(engine("a", **good), engine("b", **bad))
+    scores = {e: s for e, s, _ in PrismPolicy().scores(features(), fresh)}
+    mean = (scores[EngineId("a")] + scores[EngineId("b")]) / 2
+    aged = snapshot(engine("a", **good, state_age_s=1.25), engine("b", **bad, state_age_s=2.25))
+    blended = {e: s for e, s, _ in PrismPolicy().scores(features(), aged)}
+    assert blended[EngineId("a")] == pytest.approx(0.5 * scores[EngineId("a")] + 0.5 * mean)
+    assert blended[EngineId("b")] == pytest.approx(0.25 * scores[EngineId("b")] + 0.75 * mean)
+    # The old good report looks less good, the older bad one less bad: neither turns into the best engine.
+    assert scores[EngineId("b")] < blended[EngineId("b")] < blended[EngineId("a")] < scores[EngineId("a")]
+
+
+@pytest.mark.parametrize("rand", [0.0, 0.3, 0.5, 0.7, 0.99])
+def test_an_aged_engine_never_wins_a_tie_against_a_fresh_one(rand: float) -> None:
+    snap = snapshot(engine("a", state_age_s=3.0), engine("b"), engine("c", state_age_s=0.9))
+    assert pick(snap, features(rand=rand)) == "b"
+
+
+def test_stale_engines_serve_only_when_no_fresh_engine_can() -> None:
+    snap = snapshot(
+        engine("a", stale=True, state_age_s=9.0), engine("b", num_running=50, last_iteration_s=0.1)
+    )
+    assert pick(snap) == "b"
+    assert pick(snap, features(exclude=("b",))) == "a"
+    assert pick(snapshot(engine("a", stale=True, ready=False))) is None
+
+
+@pytest.mark.parametrize("k", [0.5, 4.0, 40.0, 1000.0])
+def test_absurd_reports_do_not_overflow(k: float) -> None:
+    snap = snapshot(
+        engine("a", num_running=1, last_iteration_s=1e200),
+        engine("b", **LENS, predicted_batch_latency_s=float("inf"), pending_work_tokens=1e300),
+        engine("c", num_running=1, last_iteration_s=0.02),
+    )
+    assert pick(snap, latency_steepness=k) == "c"
+
+
+def test_pick_is_pure() -> None:
+    snap = snapshot(engine("a", num_running=2, last_iteration_s=0.02), engine("b"))
+    feats = features(session_engine="a", rand=0.4)
+    policy = PrismPolicy()
+    assert [policy.pick(feats, snap) for _ in range(3)] == [policy.pick(feats, snap)] * 3
+    assert snap == snapshot(engine("a", num_running=2, last_iteration_s=0.02), engine("b"))
+
+
+# ---- parameters --------------------------------------------------------------------------------------------
+
+
+def test_registry_builds_prism_with_parameters() -> None:
+    policy = make_policy(
+        "prism", {"weights": {"affinity": 2, "load": 0}, "tpot_slo_ms": 12, "affinity_bonus": 3}
+    )
+    assert isinstance(policy, PrismPolicy)
+    assert policy.params.weights == PrismWeights(affinity=2.0, load=0.0)
+    assert (policy.params.tpot_slo_ms, policy.params.affinity_bonus, policy.params.ttft_slo_ms) == (
+        12.0,
+        3.0,
+        2000.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"nope": 1}, "unknown parameters ['nope']"),
+        ({"weights": {"speed": 1}}, "unknown weights ['speed']"),
+        ({"weights": [1]}, "'weights' must be a mapping"),
+        ({"weights": {"load": -1}}, "weight 'load' must be >= 0"),
+        ({"weights": {"load": "1"}}, "'weights.load' must be a number"),
+        ({"ttft_slo_ms": 0}, "ttft_slo_ms must be > 0"),
+        ({"affinity_bonus": 0.5}, "affinity_bonus must be >= 1"),
+        ({"slo_risk_penalty": 0}, "slo_risk_penalty must be in (0, 1]"),
+        ({"load_scale_s": True}, "'load_scale_s' must be a number"),
+    ],
+)
+def test_registry_rejects_bad_prism_parameters(params: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        make_policy("prism", params)
+    assert message in str(info.value)
+
+
+# ---- SLO headers, through the real app ---------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("headers", "config", "expected_ms"),
+    [
+        ({"x-slo-ttft-ms": "250", "x-slo-tpot-ms": "12.5"}, {}, (250.0, 12.5)),
+        ({}, {}, (0.0, 0.0)),  # no SLO: the engine request carries 0 = none
+        ({}, {"slo": {"ttft_ms": 2000, "tpot_ms": 40}}, (2000.0, 40.0)),  # configured defaults
+        ({"x-slo-tpot-ms": "20"}, {"slo": {"ttft_ms": 2000, "tpot_ms": 40}}, (2000.0, 20.0)),  # header wins
+    ],
+)
+async def test_slo_headers_reach_the_engine_request(
+    headers: dict[str, str], config: dict[str, Any], expected_ms: tuple[float, float]
+) -> None:
+    fake = FakeEngine("a", ok_script("x"))
+    async with serving(fake, policy={"name": "prism"}, **config) as client:
+        resp = await client.post(CHAT, json=BODY, headers=headers)
+        assert resp.status == 200
+    assert (fake.requests[0].slo_ttft_ms, fake.requests[0].slo_tpot_ms) == expected_ms
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("x-slo-ttft-ms", "fast"),
+        ("x-slo-ttft-ms", "0"),
+        ("x-slo-ttft-ms", "-5"),
+        ("x-slo-tpot-ms", "inf"),
+        ("x-slo-tpot-ms", "nan"),
+        ("x-slo-tpot-ms", ""),
+    ],
+)
+async def test_invalid_slo_headers_are_400_in_openai_shape(name: str, value: str) -> None:
+    fake = FakeEngine("a", ok_script("x"))
+    async with serving(fake, policy={"name": "prism"}) as client:
+        resp = await client.post(CHAT, json=BODY, headers={name: value})
+        assert resp.status == 400
+        err = (await resp.json())["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert (err["type"], err["param"]) == ("invalid_request_error", name)
+    assert fake.requests == []
