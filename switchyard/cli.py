@@ -1,15 +1,20 @@
 """The `switchyard` console command.
 
   switchyard up [--port 8000] [--engines 4] [--profile P ...] [--policy round_robin] [--base-agent-port 50051]
-      N simulated engine agents as child processes (profiles cycled: a heterogeneous fleet when several are
-      given), the gateway in this process, a copy-pastable curl and OpenAI SDK example; Ctrl-C/SIGTERM stops
-      the gateway (draining) and then every child (terminated and reaped).
+  switchyard up --backend vllm --model DIR [--engines 1] [--startup-timeout-s 300] ...
+      N engine agents as child processes: simulated (profiles cycled: a heterogeneous fleet when several are
+      given) or real vLLM serving the model directory DIR (one per machine by default on a CPU), the gateway
+      in this process, a copy-pastable curl and OpenAI SDK example; Ctrl-C/SIGTERM stops the gateway
+      (draining) and then every child (terminated and reaped).
+  switchyard tiny-model --out DIR [--hidden-size 128 --layers 2 --heads 4 --kv-heads 2 --seed 0 ...] [--force]
+      writes a tiny random-weight Llama model (with the repository's tokenizer) that vLLM can serve on a CPU.
   switchyard gateway ...   delegates to `gateway.__main__.main`
   switchyard agent ...     delegates to `engine_agent.__main__.main`
 
 Owns: sub-command dispatch, the `up` orchestration and its banner, one-line errors (exit 2 for usage, 1 for a
 fleet that failed to start).
-Must not: wire the gateway (gateway.app does) or implement agents; uvloop is installed by `gateway.__main__`.
+Must not: wire the gateway (gateway.app does), implement agents or build models (engine_agent.tiny_model
+does); uvloop is installed by `gateway.__main__`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import orjson
 
@@ -28,22 +34,47 @@ from gateway.__main__ import main as gateway_main
 from gateway.app import serve
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig
 from gateway.engines.grpc_client import GrpcEngineClient
-from switchyard.local_fleet import AgentSpec, FleetError, LocalFleet, plan_agents
+from switchyard.local_fleet import (
+    BACKENDS,
+    DEFAULT_START_TIMEOUT_S,
+    AgentSpec,
+    Backend,
+    FleetError,
+    LocalFleet,
+    plan_agents,
+)
 
 DEFAULT_PROFILE = "h100-llama3-8b"
-USAGE = """usage: switchyard {up,gateway,agent} ...
+# Engines per backend when --engines is not given: vLLM on a CPU uses every core, so one per machine.
+DEFAULT_ENGINES: dict[Backend, int] = {"sim": 4, "vllm": 1}
+USAGE = """usage: switchyard {up,tiny-model,gateway,agent} ...
 
-  up        start simulated engine agents and a gateway in front of them
-  gateway   run the gateway (see: switchyard gateway --help)
-  agent     run one engine agent (see: switchyard agent --help)
+  up          start engine agents (simulated, or vLLM with --backend vllm --model DIR) and a gateway
+  tiny-model  write a tiny random-weight Llama model directory that vLLM can serve on a CPU
+  gateway     run the gateway (see: switchyard gateway --help)
+  agent       run one engine agent (see: switchyard agent --help)
 """
 
 
 def build_up_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="switchyard up", description="A local simulated fleet behind a gateway.")
+    p = argparse.ArgumentParser(
+        prog="switchyard up", description="A local fleet of engines behind a gateway."
+    )
     p.add_argument("--host", default="127.0.0.1", help="gateway and agents bind here")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument("--engines", type=int, default=4, help="number of simulated engine agents")
+    p.add_argument("--backend", choices=BACKENDS, default="sim", help="engine backend of every agent")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model directory (with config.json) the vllm engines serve; required with --backend vllm",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        help="number of engine agents "
+        f"(default: {DEFAULT_ENGINES['sim']} sim, {DEFAULT_ENGINES['vllm']} vllm)",
+    )
     p.add_argument(
         "--profile",
         action="append",
@@ -52,9 +83,43 @@ def build_up_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", default="round_robin", help="routing policy")
     p.add_argument("--base-agent-port", type=int, default=50051, help="agent i listens on this + i")
+    p.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=None,
+        help="how long each agent may take to serve (default "
+        f"{DEFAULT_START_TIMEOUT_S['sim']:g} s sim, {DEFAULT_START_TIMEOUT_S['vllm']:g} s vllm)",
+    )
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="how long shutdown waits for streams")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Backend-dependent rules and defaults (`parser.error` exits 2 with one line). Fills in `engines`,
+    `startup_timeout_s` and, for vllm, `model` as an absolute path (agents may run from another directory)."""
+    backend: Backend = args.backend
+    if backend == "vllm":
+        if not args.model:
+            parser.error(
+                "--backend vllm needs --model DIR (a model directory, e.g. from `switchyard tiny-model`)"
+            )
+        if args.profile:
+            parser.error("--profile is for --backend sim (vllm engines serve --model)")
+        model_dir = Path(args.model).expanduser()
+        if not model_dir.is_dir():
+            parser.error(f"--model {args.model}: no such directory")
+        if not (model_dir / "config.json").is_file():
+            parser.error(f"--model {args.model}: no config.json in it (not a model directory)")
+        args.model = str(model_dir.resolve())
+    elif args.model is not None:
+        parser.error("--model is for --backend vllm (sim engines serve their --profile's model)")
+    if args.engines is None:
+        args.engines = DEFAULT_ENGINES[backend]
+    if args.startup_timeout_s is None:
+        args.startup_timeout_s = DEFAULT_START_TIMEOUT_S[backend]
+    elif args.startup_timeout_s <= 0:
+        parser.error("--startup-timeout-s must be positive")
 
 
 def banner(base_url: str, specs: Sequence[AgentSpec], models: Sequence[str], policy: str) -> str:
@@ -71,10 +136,12 @@ def banner(base_url: str, specs: Sequence[AgentSpec], models: Sequence[str], pol
         'messages=[{"role": "user", "content": "Hello!"}])\n'
         "print(reply.choices[0].message.content)"
     )
-    fleet = ", ".join(f"{s.engine_id}={s.profile}@{s.address}" for s in specs)
+    fleet = ", ".join(f"{s.engine_id}={s.label}@{s.address}" for s in specs)
+    kinds = {s.backend for s in specs}
+    kind = "simulated" if kinds == {"sim"} else "vLLM" if kinds == {"vllm"} else "mixed"
     return "\n".join(
         [
-            f"Switchyard is up: {len(specs)} simulated engine(s) [{fleet}], policy {policy}",
+            f"Switchyard is up: {len(specs)} {kind} engine(s) [{fleet}], policy {policy}",
             f"  base URL: {api}    models: {', '.join(models)}",
             "",
             "  curl:",
@@ -106,7 +173,7 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    fleet = LocalFleet(specs)
+    fleet = LocalFleet(specs, start_timeout_s=args.startup_timeout_s)
     try:
         starting = asyncio.create_task(fleet.start())
         stopping = asyncio.create_task(stop.wait())
@@ -144,14 +211,17 @@ def up(argv: Sequence[str]) -> int:
     from engine_agent.sim.profiles import known_profiles  # noqa: PLC0415 (only `up` needs the agent package)
     from gateway.policies.registry import POLICY_NAMES  # noqa: PLC0415
 
-    profiles = args.profile or [DEFAULT_PROFILE]
+    check_up_args(parser, args)
+    profiles = args.profile or ([DEFAULT_PROFILE] if args.backend == "sim" else [])
     unknown = [p for p in profiles if p not in known_profiles()]
     if unknown:
         parser.error(f"unknown profile {unknown[0]!r}; known: {', '.join(known_profiles())}")
     if args.policy not in POLICY_NAMES:
         parser.error(f"unknown policy {args.policy!r}; known: {', '.join(POLICY_NAMES)}")
     try:
-        specs = plan_agents(args.engines, profiles, args.base_agent_port, args.host)
+        specs = plan_agents(
+            args.engines, profiles, args.base_agent_port, args.host, backend=args.backend, model=args.model
+        )
     except ValueError as e:
         parser.error(str(e))
     configure_logging(GatewayConfig(log_level=args.log_level))
@@ -166,6 +236,47 @@ def up(argv: Sequence[str]) -> int:
         return 2
 
 
+def build_tiny_model_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="switchyard tiny-model",
+        description="Write a tiny random-weight Llama model (config, safetensors, the repository's "
+        "tokenizer) that vLLM and HF transformers load from local files.",
+    )
+    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="model directory to write")
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=None, help="default: 4 x hidden size")
+    p.add_argument("--max-position", type=int, default=2048, help="context length (max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed of the random weights")
+    p.add_argument("--force", action="store_true", help="overwrite the model files in a non-empty DIR")
+    return p
+
+
+def tiny_model(argv: Sequence[str]) -> int:
+    args = build_tiny_model_parser().parse_args(argv)
+    from engine_agent.tiny_model import TinyModelError, build_tiny_model  # noqa: PLC0415 (only when asked)
+
+    try:
+        out = build_tiny_model(
+            args.out,
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate_size,
+            max_position_embeddings=args.max_position,
+            seed=args.seed,
+            force=args.force,
+        )
+    except (TinyModelError, OSError) as e:
+        print(f"switchyard tiny-model: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}; serve it with: switchyard up --backend vllm --model {shlex.quote(str(out))}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -174,13 +285,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "up":
         return up(rest)
+    if command == "tiny-model":
+        return tiny_model(rest)
     if command == "gateway":
         return gateway_main(rest, prog="switchyard gateway")
     if command == "agent":
         from engine_agent.__main__ import main as agent_main  # noqa: PLC0415 (agent code only when asked)
 
         return agent_main(rest, prog="switchyard agent")
-    print(f"switchyard: error: unknown command {command!r} (choose from up, gateway, agent)", file=sys.stderr)
+    print(
+        f"switchyard: error: unknown command {command!r} (choose from up, tiny-model, gateway, agent)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -1,8 +1,9 @@
-"""A fleet of simulated engine agents as local child processes (for `switchyard up` and integration tests).
+"""A fleet of engine agents as local child processes (for `switchyard up` and integration tests).
 
-Owns: spawning `python -m engine_agent --backend sim ...` children, waiting until each serves (grpc.health.v1
-SERVING, while watching that the child has not exited), and stopping them (SIGTERM, wait, SIGKILL, always
-reaped).
+Owns: spawning `python -m engine_agent --backend sim --profile P ...` or `... --backend vllm --model DIR ...`
+children, waiting until each serves (grpc.health.v1 SERVING, while watching that the child has not exited;
+vLLM on a CPU takes a minute or more to start, so the default wait depends on the backend), and stopping
+them (SIGTERM, wait, SIGKILL, always reaped).
 Must not: route or proxy requests, or leave a child running when its owner stops (callers use `LocalFleet` as
 an async context manager or call `stop()` in a finally).
 """
@@ -14,11 +15,19 @@ import contextlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+Backend = Literal["sim", "vllm"]
+BACKENDS: tuple[Backend, ...] = ("sim", "vllm")
+# How long an agent may take to answer SERVING: the sim starts in about a second; vLLM on a CPU loads the
+# model, compiles and profiles memory first (30-90 s for a tiny model).
+DEFAULT_START_TIMEOUT_S: dict[Backend, float] = {"sim": 60.0, "vllm": 300.0}
 
 
 class FleetError(RuntimeError):
@@ -27,27 +36,68 @@ class FleetError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class AgentSpec:
+    """One agent: `profile` is the sim profile (sim backend); `model` the model directory (vllm backend)."""
+
     engine_id: str
     profile: str
     port: int
     host: str = "127.0.0.1"
+    backend: Backend = "sim"
+    model: str | None = None
+    extra_args: tuple[str, ...] = ()  # more agent flags, e.g. ("--enforce-eager", "--max-model-len", "1024")
+
+    def __post_init__(self) -> None:
+        if self.backend == "vllm" and not self.model:
+            raise ValueError(f"{self.engine_id}: the vllm backend needs a model directory")
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def label(self) -> str:
+        """What the engine runs, for banners: the sim profile, or `vllm:<model directory name>`."""
+        if self.backend == "vllm":
+            return f"vllm:{Path(self.model or '').name}"
+        return self.profile
+
+    def backend_args(self) -> list[str]:
+        """The agent's backend flags: `--backend sim --profile P` or `--backend vllm --model DIR`."""
+        if self.backend == "vllm":
+            return ["--backend", "vllm", "--model", str(self.model)]
+        return ["--backend", "sim", "--profile", self.profile]
+
 
 def plan_agents(
-    count: int, profiles: Sequence[str], base_port: int, host: str = "127.0.0.1"
+    count: int,
+    profiles: Sequence[str],
+    base_port: int,
+    host: str = "127.0.0.1",
+    *,
+    backend: Backend = "sim",
+    model: str | None = None,
 ) -> list[AgentSpec]:
-    """`count` agents on consecutive ports, profiles cycled (a heterogeneous fleet when several are given)."""
+    """`count` agents on consecutive ports. Sim: profiles cycled (a heterogeneous fleet when several are
+    given); vllm: every agent serves `model` (profiles unused)."""
     if count < 1:
         raise ValueError("need at least one engine")
-    if not profiles:
+    if backend == "sim" and not profiles:
         raise ValueError("need at least one profile")
+    if backend == "vllm" and not model:
+        raise ValueError("the vllm backend needs a model directory")
     if base_port < 1 or base_port + count - 1 > 65535:
         raise ValueError(f"ports {base_port}..{base_port + count - 1} are out of range")
-    return [AgentSpec(f"engine-{i}", profiles[i % len(profiles)], base_port + i, host) for i in range(count)]
+    return [
+        AgentSpec(
+            f"engine-{i}",
+            profiles[i % len(profiles)] if backend == "sim" else "",
+            base_port + i,
+            host,
+            backend=backend,
+            model=model if backend == "vllm" else None,
+        )
+        for i in range(count)
+    ]
 
 
 async def wait_serving(address: str, proc: asyncio.subprocess.Process | None, timeout_s: float) -> None:
@@ -85,7 +135,8 @@ async def terminate(proc: asyncio.subprocess.Process, grace_s: float) -> int:
 
 class LocalFleet:
     """Child agent processes; `async with LocalFleet(specs) as fleet:` starts them all and waits until they
-    serve."""
+    serve. `start_timeout_s` bounds that wait for every agent; None: each agent's backend default
+    (`DEFAULT_START_TIMEOUT_S`)."""
 
     def __init__(
         self,
@@ -93,7 +144,7 @@ class LocalFleet:
         *,
         python: str = sys.executable,
         agent_log_level: str = "WARNING",
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float | None = None,
         stop_grace_s: float = 10.0,
     ) -> None:
         self.specs = list(specs)
@@ -103,11 +154,19 @@ class LocalFleet:
         self._stop_grace_s = stop_grace_s
         self.processes: dict[str, asyncio.subprocess.Process] = {}
 
+    def start_timeout_s(self, spec: AgentSpec) -> float:
+        if self._start_timeout_s is not None:
+            return self._start_timeout_s
+        return DEFAULT_START_TIMEOUT_S[spec.backend]
+
     async def start(self) -> None:
         for spec in self.specs:
             self.processes[spec.engine_id] = await self.spawn(spec)
         await asyncio.gather(
-            *(wait_serving(s.address, self.processes[s.engine_id], self._start_timeout_s) for s in self.specs)
+            *(
+                wait_serving(s.address, self.processes[s.engine_id], self.start_timeout_s(s))
+                for s in self.specs
+            )
         )
 
     async def spawn(self, spec: AgentSpec) -> asyncio.subprocess.Process:
@@ -115,16 +174,14 @@ class LocalFleet:
             self._python,
             "-m",
             "engine_agent",
-            "--backend",
-            "sim",
-            "--profile",
-            spec.profile,
+            *spec.backend_args(),
             "--host",
             spec.host,
             "--port",
             str(spec.port),
             "--engine-id",
             spec.engine_id,
+            *spec.extra_args,
             "--log-level",
             self._log_level,
             stdin=asyncio.subprocess.DEVNULL,

@@ -12,6 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, NewType, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 RequestId = NewType("RequestId", str)
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -68,7 +71,90 @@ class FinishEvent:
     error_message: str = ""
 
 
-BackendEvent = TokenEvent | FinishEvent
+@dataclass(frozen=True, slots=True)
+class MigrationTicket:
+    """Everything a target engine needs to resume a request cut on a source engine.
+
+    `output_token_ids` are exactly the tokens the source delivered on the request's stream before it ended
+    with a `MigratedEvent`; the target continues after them with `remaining_tokens` of budget.
+    `transfer_params` is backend-specific JSON (vLLM: the NixlConnector's `kv_transfer_params`; sim: the
+    modelled transfer), opaque to everything but the target backend of the same kind.
+    """
+
+    request_id: RequestId
+    source_engine_id: str
+    target: str
+    backend: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    sampling: SamplingSpec  # as the client asked it (max_tokens counts the whole output)
+    remaining_tokens: int
+    kv_tokens: int  # tokens whose KV the target can pull instead of recomputing
+    kv_bytes: int
+    transfer_params: bytes = b""
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    priority: int = 0
+    target_output_tokens: int = 0
+    session_id: str = ""
+    cut_timestamp_s: float = 0.0  # source engine clock when the source emitted its last token
+
+
+def request_from_ticket(ticket: MigrationTicket, request_id: RequestId) -> BackendRequest:
+    """The original request (prompt, sampling, SLOs) a ticket resumes, under the id it runs as here."""
+    return BackendRequest(
+        request_id=request_id,
+        prompt_token_ids=ticket.prompt_token_ids,
+        sampling=ticket.sampling,
+        slo_ttft_s=ticket.slo_ttft_s,
+        slo_tpot_s=ticket.slo_tpot_s,
+        priority=ticket.priority,
+        target_output_tokens=ticket.target_output_tokens,
+        session_id=ticket.session_id,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MigratedEvent:
+    """Ends a request's stream on the source instead of a `FinishEvent`: the request continues elsewhere."""
+
+    ticket: MigrationTicket
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationStats:
+    """What a target reports once a migrated request has produced its first token there."""
+
+    kv_tokens_loaded: int  # tokens whose KV came over the transfer (not recomputed)
+    kv_tokens_recomputed: int
+    kv_bytes_transferred: int
+    transfer_s: float
+
+
+class MigrationRefused(ValueError):
+    """The request cannot move faithfully (unknown, finished, seeded sampling on vLLM, ...): the reason."""
+
+
+BackendEvent = TokenEvent | FinishEvent | MigratedEvent
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenStateSample:
+    """Final-layer (post final norm) hidden state of a request's last token."""
+
+    request_id: RequestId
+    generated_tokens: int  # output tokens the request had when the state was taken
+    vector: npt.NDArray[np.float32]  # shape (hidden_size,)
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenStateBatch:
+    """One tap: every running (decoding) request's hidden state at one engine step."""
+
+    step: int  # the engine's decode-step counter when the tap fired
+    timestamp_s: float
+    samples: tuple[HiddenStateSample, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +174,8 @@ class EngineStatic:
     gpu_memory_gb: float = 0.0
     hourly_price_usd: float = 0.0
     tensor_parallel: int = 1
+    hidden_size: int = 0  # width of the hidden-state tap's vectors
+    hidden_state_interval: int = 0  # the tap fires every this many decode steps; 0 = off
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +238,36 @@ class EngineBackend(Protocol):
 
     def stats(self) -> EngineStats:
         """The current state (cheap, no I/O)."""
+        ...
+
+    def hidden_states(self) -> AsyncIterator[HiddenStateBatch]:
+        """Subscribe to the hidden-state tap: one batch every `hidden_state_interval` decode steps.
+
+        Each call is an independent subscriber with a small bounded queue (oldest batches are dropped when the
+        consumer falls behind, never blocking the engine). Yields nothing when the tap is off (interval 0).
+        """
+        ...
+
+    async def migrate_out(self, request_id: RequestId, target: str) -> MigrationTicket:
+        """Cut a running request at a token boundary, keep its KV exported, and return its ticket.
+
+        Tokens up to the cut are still delivered on the request's `generate` stream, which then ends with a
+        `MigratedEvent` carrying the same ticket. Raises `MigrationRefused` with the reason when it cannot
+        move.
+        """
+        ...
+
+    def migrate_in(self, ticket: MigrationTicket, request_id: RequestId) -> AsyncIterator[BackendEvent]:
+        """Resume a migrated request, pulling its KV, and stream the continuation (tokens, then a finish).
+
+        The finish's usage counts the whole request: the original prompt and every output token, the
+        source's included.
+        Raises `MigrationRefused` when the ticket does not fit this engine (other model or backend).
+        """
+        ...
+
+    def migration_stats(self, request_id: RequestId) -> MigrationStats | None:
+        """For a request resumed by `migrate_in`: how its KV arrived (None until known, or unknown id)."""
         ...
 
     async def wait_for_change(self, after_version: int, timeout_s: float) -> int:

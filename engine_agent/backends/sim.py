@@ -2,11 +2,32 @@
 
 Owns: the one engine-loop task (born in `start`, cancelled and awaited in `stop`), per-request delivery
 buffers, the mapping of the engine's step results onto wall time (a step's output is delivered when its
-simulated duration has elapsed), aborts on early close, the change version behind `wait_for_change`, and the
-loop-lag figures.
+simulated duration has elapsed), aborts on early close, when the change version behind `wait_for_change` is
+looked at (the version itself is `engine_agent.backends.sim_changes`), the loop-lag figures, migration
+(`migrate_out` / `migrate_in`: the cut against the delivery buffers, the modelled KV transfer time, the
+migration stats kept), when the hidden-state tap runs (`hidden_states`), and attaching LENS to the engine
+(`engine_agent.sim.lens_adapter.SimLens`: state vector always, batch planning with `lens_planning`; the engine
+runs its refits inline, a few ms every 16 iterations, which the loop absorbs like any slow step).
 Must not: batch, schedule or time iterations itself (that is the engine model, invariant I2), know gRPC or
-text, or read time other than through the injected `Clock` (it waits with asyncio sleeps and events).
+text, encode tickets (that is `engine_agent.sim.ticket`), keep tap subscribers or build hidden-state batches
+(that is `engine_agent.backends.sim_tap`), or read time other than through the injected `Clock` (it waits
+with asyncio sleeps and events).
 
+Migration. `migrate_out` cuts the request in the engine at once. The engine may already have computed the step
+now in flight (computed, then slept on until it is due): its token for the request belongs to the ticket, so
+the stream delivers it when the step is due and only then ends with the `MigratedEvent`; the ticket's output
+tokens are exactly the tokens the stream delivered. The source frees the KV at the cut (see
+`engine_agent.sim.migration`). `transfer_params` carry the request's token-generator state and decided
+output length (`engine_agent.sim.ticket`), so a migrated request continues with exactly the tokens it would
+have produced unmigrated: seeded requests can move too. On the target the KV is "pulled" in
+transfer_s = kv_transfer_latency_s + kv_bytes / (kv_transfer_gbps x 1e9) once its blocks are allocated; then
+only the last sampled token is computed.
+
+Hidden-state tap (`engine_agent.backends.sim_tap`). Every `hidden_state_interval` decode steps (iterations
+with decoding sequences), when someone subscribes, the loop takes the decoding requests' lengths from the
+engine right after the step and builds their vectors in the default executor while it sleeps out the step
+(never two taps at once: a tap due while the previous one is still being built is skipped); the batch reaches
+each subscriber's queue once built and the step delivered.
 """
 
 from __future__ import annotations
@@ -14,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,19 +45,32 @@ from engine_agent.backends.base import (
     EngineStatic,
     EngineStats,
     FinishEvent,
+    HiddenStateBatch,
+    MigratedEvent,
+    MigrationRefused,
+    MigrationStats,
+    MigrationTicket,
     RequestId,
     Timings,
     TokenEvent,
     Usage,
+    request_from_ticket,
 )
+from engine_agent.backends.sim_changes import ChangeVersion
+from engine_agent.backends.sim_tap import HiddenStateTap
 from engine_agent.sim.engine import SimEngine, StepResult
+from engine_agent.sim.lens_adapter import SimLens
+from engine_agent.sim.migration import MigrationCut
 from engine_agent.sim.profiles import Profile
+from engine_agent.sim.ticket import cut_from_ticket, ticket_for_cut
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
 
 # Delivery later than this re-anchors the simulated timeline to the wall clock (counted as a late step).
 DEFAULT_LAG_TOLERANCE_S = 0.002
+# Migration stats kept for finished requests (the most recent ones).
+_MIGRATION_STATS_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +85,24 @@ class LoopLag:
 
 
 class _Stream:
-    """One request's undelivered output; the consumer waits on `waiter`."""
+    """One request's output; the consumer has read `tokens[:read]` and waits on `waiter`.
 
-    __slots__ = ("tokens", "finish", "waiter")
+    `prior` are the tokens the request produced on earlier engines (migrated in); `end` is the event that ends
+    the stream (a finish or a migration) once every token is read.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("request", "prior", "tokens", "read", "end", "waiter", "last_token_s", "migration")
+
+    def __init__(self, request: BackendRequest, prior: tuple[int, ...], now_s: float,
+                 migration: MigrationStats | None) -> None:
+        self.request = request
+        self.prior = prior
         self.tokens: list[int] = []
-        self.finish: FinishEvent | None = None
+        self.read = 0
+        self.end: FinishEvent | MigratedEvent | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.last_token_s = now_s
+        self.migration = migration  # how its KV arrives, until the first token here (then published)
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -80,9 +125,17 @@ class SimBackend:
         role: str = "",
         model: str | None = None,
         lag_tolerance_s: float = DEFAULT_LAG_TOLERANCE_S,
+        hidden_state_interval: int = 0,
+        kv_transfer_gbps: float = 25.0,
+        kv_transfer_latency_s: float = 0.002,
+        lens_planning: bool = False,
     ) -> None:
+        if hidden_state_interval < 0 or kv_transfer_gbps <= 0 or kv_transfer_latency_s < 0:
+            raise ValueError("hidden_state_interval and kv_transfer_latency_s must be >= 0, "
+                             "kv_transfer_gbps > 0")
         self._clock = clock
         self._eos_token_id = eos_token_id
+        self._vocab_size = vocab_size
         self._engine = SimEngine(
             profile,
             seed=seed,
@@ -90,6 +143,8 @@ class SimBackend:
             eos_token_id=eos_token_id,
             special_token_ids=special_token_ids,
             engine_id=engine_id,
+            # LENS always runs (its state vector feeds PRISM); it plans batches only with `lens_planning`.
+            lens=SimLens.for_profile(profile, planning=lens_planning),
         )
         self._static = EngineStatic(
             engine_id=engine_id,
@@ -105,16 +160,16 @@ class SimBackend:
             gpu_memory_gb=profile.gpu.memory_gb * profile.tensor_parallel,
             hourly_price_usd=profile.hourly_price_usd,
             tensor_parallel=profile.tensor_parallel,
+            hidden_size=profile.model.hidden_size,
+            hidden_state_interval=hidden_state_interval,
         )
+        self._kv_bytes_per_token = profile.model.kv_bytes_per_token
+        self._kv_transfer_bytes_per_s = kv_transfer_gbps * 1e9
+        self._kv_transfer_latency_s = kv_transfer_latency_s
         self._lag_tolerance_s = lag_tolerance_s
         self._streams: dict[RequestId, _Stream] = {}
         self._wake = asyncio.Event()
-        self._changed = asyncio.Event()
-        self._version = 0
-        self._seen_counter = self._engine.change_counter
-        self._published_key = (0, 0, 0)
-        self._published_free = profile.kv_blocks_total
-        self._kv_step_blocks = max(1, profile.kv_blocks_total // 100)
+        self._changes = ChangeVersion(self._engine, clock)
         self._last_admit_s = float("-inf")
         self._task: asyncio.Task[None] | None = None
         self._lag_steps = 0
@@ -122,6 +177,18 @@ class SimBackend:
         self._lag_max_s = 0.0
         self._lag_sum_s = 0.0
         self._slipped_s = 0.0
+        # The step computed and not yet delivered (with its due time), and the migrated events it gates.
+        self._inflight: StepResult | None = None
+        self._inflight_due_s = 0.0
+        self._deferred: dict[RequestId, MigratedEvent] = {}
+        self._migration_stats: OrderedDict[RequestId, MigrationStats] = OrderedDict()
+        self._tap = HiddenStateTap(
+            self._engine,
+            interval=hidden_state_interval,
+            hidden_size=profile.model.hidden_size,
+            model_name=profile.model.name,
+            seed=seed,
+        )
 
     @property
     def static(self) -> EngineStatic:
@@ -152,45 +219,63 @@ class SimBackend:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._inflight is not None:  # computed already: its tokens (and migrations it gates) count
+            self._deliver(self._inflight, self._inflight_due_s)
         now = self._clock.now()
         for request_id in list(self._streams):
             event = self._engine.abort(request_id, now)
-            self._finish_stream(request_id, event or _aborted())
-        self._publish()
+            self._end_stream(request_id, event or _aborted())
+        self._tap.close()
+        self._changes.publish()
         lag = self.loop_lag
         log.info(
-            "engine loop stopped: steps=%d late_steps=%d max_lag_ms=%.2f mean_lag_ms=%.3f slipped_ms=%.1f",
+            "engine loop stopped: steps=%d late_steps=%d max_lag_ms=%.2f mean_lag_ms=%.3f slipped_ms=%.1f "
+            "hidden_state_taps_skipped=%d",
             lag.steps,
             lag.late_steps,
             lag.max_lag_s * 1e3,
             lag.mean_lag_s * 1e3,
             lag.slipped_s * 1e3,
+            self._tap.taps_skipped,
         )
 
-    async def generate(self, request: BackendRequest) -> AsyncIterator[BackendEvent]:
+    def generate(self, request: BackendRequest) -> AsyncIterator[BackendEvent]:
+        return self._serve(request, None)
+
+    async def _serve(
+        self, request: BackendRequest, migrated: tuple[MigrationCut, float, tuple[int, ...]] | None
+    ) -> AsyncIterator[BackendEvent]:
+        """Admit (on the first iteration) and stream one request; `migrated` = (cut, transfer_s, prior)."""
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         if self._task is None:
             raise RuntimeError("backend is not started")
         now = self._clock.now()
-        self._engine.add_request(request, now)  # ValueError on over-context or duplicate
-        stream = _Stream()
+        if migrated is None:
+            self._engine.add_request(request, now)  # ValueError on over-context or duplicate
+            stream = _Stream(request, (), now, None)
+        else:
+            cut, transfer_s, prior = migrated
+            self._engine.add_migrated_request(request, cut, now, transfer_s)  # MigrationRefused
+            stats = MigrationStats(cut.kv_tokens, 0, cut.kv_bytes, transfer_s)
+            stream = _Stream(request, prior, now, stats)
         self._streams[request_id] = stream
         self._last_admit_s = now
         self._wake.set()
-        self._publish()
-        finished = False
+        self._changes.publish()
+        ended = False
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if stream.tokens:
-                    ids = tuple(stream.tokens)
-                    stream.tokens.clear()
+                tokens = stream.tokens
+                if len(tokens) > stream.read:
+                    ids = tuple(tokens[stream.read :])
+                    stream.read = len(tokens)
                     yield TokenEvent(ids)
-                elif stream.finish is not None:
-                    finished = True
-                    yield stream.finish
+                elif stream.end is not None:
+                    ended = True
+                    yield stream.end
                     return
                 else:
                     stream.waiter = loop.create_future()
@@ -199,35 +284,94 @@ class SimBackend:
         finally:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
-            if not finished and stream.finish is None:
-                self._engine.abort(request_id, self._clock.now())
-                self._publish()
+                self._deferred.pop(request_id, None)
+            if not ended and stream.end is None:
+                self._engine.abort(request_id, self._clock.now())  # None when already cut: nothing to free
+                self._changes.publish()
 
     async def abort(self, request_id: RequestId) -> bool:
         if request_id not in self._streams:
             return False
         event = self._engine.abort(request_id, self._clock.now())
         if event is None:
-            return False  # finished in the step now in flight; its delivery ends the stream
-        self._finish_stream(request_id, event)
-        self._publish()
+            return False  # finished or cut in the step now in flight; its delivery ends the stream
+        self._end_stream(request_id, event)
+        self._changes.publish()
         return True
 
     def stats(self) -> EngineStats:
         return self._engine.stats(self._clock.now())
 
     async def wait_for_change(self, after_version: int, timeout_s: float) -> int:
-        if self._version > after_version or timeout_s <= 0:
-            return self._version
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._version <= after_version:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
-        return self._version
+        return await self._changes.wait(after_version, timeout_s)
+
+    # -- migration ---------------------------------------------------------------------------------
+
+    async def migrate_out(self, request_id: RequestId, target: str) -> MigrationTicket:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.end is not None or request_id in self._deferred:
+            raise MigrationRefused(f"request {request_id!r} is not running here (unknown or finished)")
+        cut = self._engine.migrate_out(request_id, self._clock.now())  # MigrationRefused with the reason
+        inflight = self._inflight
+        pending = tuple(t for rid, t in inflight.tokens if rid == request_id) if inflight is not None else ()
+        output = stream.prior + tuple(stream.tokens) + pending
+        if len(output) != cut.num_output:  # the engine and the delivery buffers disagree: a bug
+            raise RuntimeError(f"request {request_id!r}: {len(output)} tokens delivered or in flight, "
+                               f"the engine produced {cut.num_output}")
+        static = self._static
+        ticket = ticket_for_cut(
+            cut,
+            stream.request,
+            output,
+            source_engine_id=static.engine_id,
+            backend=static.backend,
+            model=static.model,
+            target=target,
+            kv_bytes_per_token=self._kv_bytes_per_token,
+            vocab_size=self._vocab_size,
+            cut_timestamp_s=self._inflight_due_s if pending else stream.last_token_s,
+        )
+        event = MigratedEvent(ticket)
+        if pending:
+            self._deferred[request_id] = event  # after the step in flight delivers the ticket's last token
+        else:
+            self._end_stream(request_id, event)
+        self._changes.publish()
+        return ticket
+
+    def migrate_in(self, ticket: MigrationTicket, request_id: RequestId) -> AsyncIterator[BackendEvent]:
+        """Check the ticket now (`MigrationRefused`); the request is admitted on the first iteration."""
+        static = self._static
+        cut = cut_from_ticket(ticket, request_id, backend=static.backend, model=static.model,
+                              vocab_size=self._vocab_size)
+        if request_id in self._streams:
+            raise MigrationRefused(f"request id {request_id!r} is already running")
+        request = request_from_ticket(ticket, request_id)
+        transfer_s = self.transfer_time_s(ticket.kv_bytes)
+        self._engine.check_migrated_request(request, cut, transfer_s)
+        return self._serve(request, (cut, transfer_s, ticket.output_token_ids))
+
+    def transfer_time_s(self, kv_bytes: int) -> float:
+        """The modelled KV pull: a fixed latency plus the bytes over the configured bandwidth."""
+        return self._kv_transfer_latency_s + kv_bytes / self._kv_transfer_bytes_per_s
+
+    def migration_stats(self, request_id: RequestId) -> MigrationStats | None:
+        return self._migration_stats.get(request_id)
+
+    def _note_migration(self, stream: _Stream, stats: MigrationStats) -> None:
+        """A migrated request produced its first token here: publish how its KV arrived."""
+        request_id = stream.request.request_id
+        engine_stats = self._engine.migration_stats(request_id)  # None once the request finished
+        self._migration_stats[request_id] = engine_stats or stats
+        self._migration_stats.move_to_end(request_id)
+        while len(self._migration_stats) > _MIGRATION_STATS_KEPT:
+            self._migration_stats.popitem(last=False)
+        stream.migration = None
+
+    # -- hidden-state tap --------------------------------------------------------------------------
+
+    def hidden_states(self) -> AsyncIterator[HiddenStateBatch]:
+        return self._tap.subscribe()
 
     # -- engine loop -------------------------------------------------------------------------------
 
@@ -245,14 +389,30 @@ class SimBackend:
             start = now if busy_until is None else max(busy_until, min(self._last_admit_s, now))
             result = engine.step(start)
             due = start + result.duration_s
+            self._inflight, self._inflight_due_s = result, due
+            tap = self._tap.start(due) if result.record.num_decode_seqs else None
             delay = due - clock.now()
             # Never sleep a negative time; still yield so the servicer runs when the loop is behind.
             await asyncio.sleep(delay if delay > 0 else 0)
             self._account_lag(clock.now() - due)
             busy_until = due if clock.now() - due <= self._lag_tolerance_s else None
-            self._deliver(result)
+            self._deliver(result, due)
+            if tap is not None:
+                tap.add_done_callback(self._tap.publish)
             if result.duration_s <= 0 and not result.tokens and not result.finished:
-                await asyncio.sleep(1e-3)  # an idle step: do not spin
+                busy_until = None
+                await self._idle_wait()
+
+    async def _idle_wait(self) -> None:
+        """After an empty step: wait for a loading migrated request to be ready, new work, or 1 ms."""
+        ready_s = self._engine.next_ready_s()
+        timeout_s = 1e-3 if ready_s is None else ready_s - self._clock.now()
+        if timeout_s <= 0:
+            await asyncio.sleep(0)
+            return
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout_s)
 
     def _account_lag(self, lag_s: float) -> None:
         lag_s = max(lag_s, 0.0)
@@ -264,53 +424,41 @@ class SimBackend:
             self._lag_late += 1
             self._slipped_s += lag_s
 
-    def _deliver(self, result: StepResult) -> None:
+    def _deliver(self, result: StepResult, due_s: float) -> None:
+        self._inflight = None
         streams = self._streams
         touched: list[_Stream] = []
         for request_id, token_id in result.tokens:
             stream = streams.get(request_id)
-            if stream is not None and stream.finish is None:
-                if not stream.tokens:
+            if stream is not None and stream.end is None:
+                tokens = stream.tokens
+                if len(tokens) == stream.read:
                     touched.append(stream)
-                stream.tokens.append(token_id)
+                tokens.append(token_id)
+                stream.last_token_s = due_s
         for request_id, event in result.finished:
             stream = streams.get(request_id)
-            if stream is not None and stream.finish is None:
-                stream.finish = event
+            if stream is not None and stream.end is None:
+                stream.end = event
                 touched.append(stream)
+        if self._deferred:
+            deferred, self._deferred = self._deferred, {}
+            for request_id, migrated in deferred.items():
+                stream = streams.get(request_id)
+                if stream is not None and stream.end is None:
+                    stream.end = migrated
+                    touched.append(stream)
         for stream in touched:
+            if stream.migration is not None and stream.tokens:
+                self._note_migration(stream, stream.migration)
             stream.wake()
-        self._publish()
+        self._changes.publish()
 
-    def _finish_stream(self, request_id: RequestId, event: FinishEvent) -> None:
+    def _end_stream(self, request_id: RequestId, event: FinishEvent | MigratedEvent) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None and stream.finish is None:
-            stream.finish = event
+        if stream is not None and stream.end is None:
+            stream.end = event
             stream.wake()
-
-    def _publish(self) -> None:
-        """Advance the visible version on a significant change and wake `wait_for_change`.
-
-        The engine counts every iteration as a change; watchers are woken only when the running, waiting or
-        preempted counts move, or free KV moves by at least `_kv_step_blocks` (1% of the cache) since the last
-        published version. Everything else reaches them on the WatchState interval.
-        """
-        counter = self._engine.change_counter
-        if counter == self._seen_counter:
-            return
-        self._seen_counter = counter
-        stats = self._engine.stats(self._clock.now())
-        key = (stats.num_running, stats.num_waiting, stats.num_preempted_total)
-        if (
-            key == self._published_key
-            and abs(stats.kv_blocks_free - self._published_free) < self._kv_step_blocks
-        ):
-            return
-        self._published_key = key
-        self._published_free = stats.kv_blocks_free
-        self._version += 1
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
 
 
 def _aborted() -> FinishEvent:

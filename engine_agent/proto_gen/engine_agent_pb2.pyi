@@ -126,15 +126,69 @@ class Finished(_message.Message):
     error_message: str
     def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[EngineTimings, _Mapping]] = ..., stop_reason: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
+class Migrated(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: MigrationTicket
+    def __init__(self, ticket: _Optional[_Union[MigrationTicket, _Mapping]] = ...) -> None: ...
+
 class GenerateEvent(_message.Message):
-    __slots__ = ("admitted", "delta", "finished")
+    __slots__ = ("admitted", "delta", "finished", "migrated")
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     admitted: Admitted
     delta: TokenDelta
     finished: Finished
-    def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    migrated: Migrated
+    def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., migrated: _Optional[_Union[Migrated, _Mapping]] = ...) -> None: ...
+
+class MigrateOutRequest(_message.Message):
+    __slots__ = ("request_id", "target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target: str
+    def __init__(self, request_id: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+
+class MigrationTicket(_message.Message):
+    __slots__ = ("request_id", "source_engine_id", "target", "backend", "model", "prompt_token_ids", "output_token_ids", "request", "remaining_tokens", "kv_tokens", "kv_bytes", "transfer_params", "cut_timestamp_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CUT_TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    source_engine_id: str
+    target: str
+    backend: str
+    model: str
+    prompt_token_ids: TokenIds
+    output_token_ids: TokenIds
+    request: GenerateRequest
+    remaining_tokens: int
+    kv_tokens: int
+    kv_bytes: int
+    transfer_params: bytes
+    cut_timestamp_s: float
+    def __init__(self, request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target: _Optional[str] = ..., backend: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., output_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., remaining_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer_params: _Optional[bytes] = ..., cut_timestamp_s: _Optional[float] = ...) -> None: ...
+
+class MigrateInRequest(_message.Message):
+    __slots__ = ("ticket", "request_id")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ticket: MigrationTicket
+    request_id: str
+    def __init__(self, ticket: _Optional[_Union[MigrationTicket, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -237,7 +291,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("identity", "max_context_tokens", "block_size", "tokenizer", "max_num_seqs", "max_batched_tokens", "gpu_memory_gb", "hourly_price_usd", "tensor_parallel", "gpu", "eos_token_id")
+    __slots__ = ("identity", "max_context_tokens", "block_size", "tokenizer", "max_num_seqs", "max_batched_tokens", "gpu_memory_gb", "hourly_price_usd", "tensor_parallel", "gpu", "eos_token_id", "hidden_size", "hidden_state_interval")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +303,8 @@ class EngineInfo(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     identity: EngineIdentity
     max_context_tokens: int
     block_size: int
@@ -260,4 +316,6 @@ class EngineInfo(_message.Message):
     tensor_parallel: int
     gpu: str
     eos_token_id: int
-    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., gpu_memory_gb: _Optional[float] = ..., hourly_price_usd: _Optional[float] = ..., tensor_parallel: _Optional[int] = ..., gpu: _Optional[str] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+    hidden_size: int
+    hidden_state_interval: int
+    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., gpu_memory_gb: _Optional[float] = ..., hourly_price_usd: _Optional[float] = ..., tensor_parallel: _Optional[int] = ..., gpu: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., hidden_state_interval: _Optional[int] = ...) -> None: ...

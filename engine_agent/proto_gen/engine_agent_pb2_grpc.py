@@ -54,6 +54,16 @@ class EngineAgentStub:
                 request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.MigrateOut = channel.unary_unary(
+                '/switchyard.engine.v1.EngineAgent/MigrateOut',
+                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.FromString,
+                _registered_method=True)
+        self.MigrateIn = channel.unary_stream(
+                '/switchyard.engine.v1.EngineAgent/MigrateIn',
+                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.SerializeToString,
+                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
+                _registered_method=True)
 
 
 class EngineAgentServicer:
@@ -87,6 +97,23 @@ class EngineAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrateOut(self, request, context):
+        """Cuts a running request at a token boundary with its KV held and exported; returns its ticket. The request's
+        Generate stream delivers every token up to the cut and then ends with a `migrated` event (same ticket).
+        FAILED_PRECONDITION with the reason when the request cannot move faithfully; NOT_FOUND for unknown ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateIn(self, request, context):
+        """Resumes a migrated request on this engine, pulling its KV from the source, and streams the continuation
+        like Generate (admitted, deltas, finished; usage counts the whole request).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +136,16 @@ def add_EngineAgentServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.FromString,
                     response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.SerializeToString,
+            ),
+            'MigrateOut': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateOut,
+                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.FromString,
+                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.SerializeToString,
+            ),
+            'MigrateIn': grpc.unary_stream_rpc_method_handler(
+                    servicer.MigrateIn,
+                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.FromString,
+                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +256,60 @@ class EngineAgent:
             '/switchyard.engine.v1.EngineAgent/GetInfo',
             engine__agent_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.SerializeToString,
             engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateOut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchyard.engine.v1.EngineAgent/MigrateOut',
+            engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.SerializeToString,
+            engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateIn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/switchyard.engine.v1.EngineAgent/MigrateIn',
+            engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.SerializeToString,
+            engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

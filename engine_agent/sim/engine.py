@@ -1,7 +1,8 @@
 """The simulated GPU engine: continuous batching, chunked prefill, paged KV accounting and preemption.
 
 Owns: `SimEngine`, one engine stepped one iteration at a time at a caller-given time (invariant I2: the sim
-backend drives it in real time, the discrete-event simulator in virtual time), and what a step returns
+backend drives it in real time, the discrete-event simulator in virtual time): admission, the output length
+and token ids each request draws, scheduling, preemption, aborts and stats; and what a step returns
 (`StepResult`, `IterationRecord`).
 Must not: read clocks, sleep, do I/O or know asyncio; time enters only as the `now_s` arguments and leaves as
 `StepResult.duration_s`.
@@ -15,6 +16,15 @@ recomputes prompt + generated tokens as a prefill. When no preemption happened, 
 in (priority, arrival) order with the budget left, stopping at the first that does not fit.
 A request samples a token in the iteration that computes its last uncomputed token (so the first output token
 comes from the iteration completing its prefill). Everything a step produces is visible at now_s + duration_s.
+
+Migration (cutting a decoding request, resuming one cut elsewhere) is `EngineMigration`, `SimEngine`'s
+base class in `engine_agent.sim.migration`; it shares the engine's state and adds no work to `step`
+beyond loading queued migrants at its start.
+
+LENS (`engine_agent.sim.lens_adapter.SimLens`, optional): when attached, each step asks it for the iteration's
+token budget (Algorithm 1's plan, never above `max_batched_tokens`) before scheduling, feeds it the
+iteration record and finished requests afterwards, and `stats` carries its state vector. Without it (or with
+its planning off) the schedule is unchanged.
 """
 
 from __future__ import annotations
@@ -30,19 +40,22 @@ from engine_agent.backends.base import (
     EngineStats,
     FinishEvent,
     FinishReason,
+    LensFigures,
     RequestId,
+    SamplingSpec,
     Timings,
     Usage,
 )
+from engine_agent.sim.lens_adapter import SimLens
+from engine_agent.sim.migration import EngineMigration
 from engine_agent.sim.perf_model import PerfCoefficients, iteration_time_s
 from engine_agent.sim.profiles import Profile
+from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, Seq
 
 _MASK64 = (1 << 64) - 1
 # Knuth's MMIX linear congruential generator; tokens come from its high bits.
 _LCG_MUL = 6364136223846793005
 _LCG_INC = 1442695040888963407
-
-_WAITING, _RUNNING, _DONE = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,49 +83,22 @@ class StepResult:
     record: IterationRecord
 
 
-class _Seq:
-    """A request inside the engine. `num_tokens` = prompt + generated; `num_computed` of them are in KV."""
-
-    __slots__ = ("request_id", "prompt_len", "target_len", "stop_at_target", "priority", "order", "arrival_s",
-                 "state", "num_tokens", "num_computed", "num_output", "num_blocks", "prefill_end",
-                 "reserved_blocks", "first_scheduled_s", "first_token_s", "rng", "excluded",
-                 "token_range")
-
-    def __init__(self, request_id: RequestId, prompt_len: int, target_len: int, stop_at_target: bool,
-                 priority: int, order: int, arrival_s: float, rng: int, excluded: tuple[int, ...],
-                 token_range: int) -> None:
-        self.request_id = request_id
-        self.prompt_len = prompt_len
-        self.target_len = target_len
-        self.stop_at_target = stop_at_target
-        self.priority = priority
-        self.order = order
-        self.arrival_s = arrival_s
-        self.state = _WAITING
-        self.num_tokens = prompt_len
-        self.prefill_end = prompt_len  # in prefill while num_computed < prefill_end
-        self.num_computed = self.num_output = self.num_blocks = self.reserved_blocks = 0
-        self.first_scheduled_s = self.first_token_s = -1.0  # -1: not yet
-        self.rng = rng
-        self.excluded = excluded  # sorted token ids never drawn
-        self.token_range = token_range
-
-
 def _stable_key(*parts: object) -> int:
     digest = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
-class SimEngine:
+class SimEngine(EngineMigration):
     """A simulated GPU engine, stepped one iteration at a time (see the module docstring)."""
 
     __slots__ = ("_profile", "_seed", "_vocab_size", "_eos", "_excluded", "_engine_id", "_coeffs", "_seqs",
                  "_running", "_waiting", "_num_waiting", "_reserved_blocks", "_pending_prefill",
                  "_running_tokens", "_free_blocks", "_order", "_iterations", "_preempted_total",
-                 "_last_iteration_s", "_changes")
+                 "_last_iteration_s", "_changes", "_incoming", "_lens")
 
     def __init__(self, profile: Profile, *, seed: int = 0, vocab_size: int = 32000, eos_token_id: int = 2,
-                 special_token_ids: frozenset[int] = frozenset(), engine_id: str = "sim-0") -> None:
+                 special_token_ids: frozenset[int] = frozenset(), engine_id: str = "sim-0",
+                 lens: SimLens | None = None) -> None:
         excluded = tuple(sorted(t for t in ({eos_token_id} | special_token_ids) if 0 <= t < vocab_size))
         if vocab_size - len(excluded) <= 0:
             raise ValueError("vocab_size leaves no token ids after excluding eos and special tokens")
@@ -123,10 +109,10 @@ class SimEngine:
         self._excluded = excluded
         self._engine_id = engine_id
         self._coeffs = PerfCoefficients.from_profile(profile)
-        self._seqs: dict[RequestId, _Seq] = {}
-        self._running: list[_Seq] = []
+        self._seqs: dict[RequestId, Seq] = {}
+        self._running: list[Seq] = []
         # Heap of (priority, arrival order, seq); aborted entries are skipped when they reach the top.
-        self._waiting: list[tuple[int, int, _Seq]] = []
+        self._waiting: list[tuple[int, int, Seq]] = []
         self._num_waiting = 0
         self._reserved_blocks = 0
         self._pending_prefill = 0
@@ -137,6 +123,8 @@ class SimEngine:
         self._preempted_total = 0
         self._last_iteration_s = 0.0
         self._changes = 0
+        self._incoming: list[Seq] = []  # migrated requests not yet running, in arrival order
+        self._lens = lens
 
     @property
     def profile(self) -> Profile:
@@ -151,6 +139,14 @@ class SimEngine:
         return self._eos
 
     @property
+    def lens(self) -> SimLens | None:
+        """LENS attached to this engine (None: static batching and no state vector)."""
+        return self._lens
+
+    def attach_lens(self, lens: SimLens | None) -> None:
+        self._lens = lens
+
+    @property
     def change_counter(self) -> int:
         return self._changes
 
@@ -160,37 +156,49 @@ class SimEngine:
     def add_request(self, request: BackendRequest, now_s: float) -> None:
         """Queue a request arriving at `now_s`; ValueError if it can never run or its id is in use."""
         rid = request.request_id
-        if rid in self._seqs:
-            raise ValueError(f"duplicate request id {rid!r}")
+        self._check_admissible(request, ValueError)
         sampling = request.sampling
-        prompt_len = len(request.prompt_token_ids)
-        max_tokens = sampling.max_tokens
-        if prompt_len <= 0 or max_tokens <= 0:
-            raise ValueError(f"request {rid!r}: prompt and max_tokens must be non-empty, got "
-                             f"{prompt_len} prompt tokens and max_tokens={max_tokens}")
-        profile = self._profile
-        if prompt_len + max_tokens > profile.max_context_tokens:
-            raise ValueError(f"request {rid!r}: prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds "
-                             f"the max context of {profile.max_context_tokens} tokens")
-        if math.ceil((prompt_len + max_tokens - 1) / profile.block_size) > profile.kv_blocks_total:
-            raise ValueError(f"request {rid!r}: {prompt_len + max_tokens} tokens exceed the KV capacity of "
-                             f"{profile.kv_capacity_tokens} tokens")
         base = f"seed:{sampling.seed}" if sampling.seed is not None else f"id:{rid}"
         key = _stable_key(self._seed, base)
         target_len, stop = self._output_length(request, key)
+        excluded, token_range = self._exclusions(rid, sampling, ValueError)
+        self._order += 1
+        seq = Seq(rid, len(request.prompt_token_ids), target_len, stop, request.priority, self._order, now_s,
+                  key, excluded, token_range)
+        self._seqs[rid] = seq
+        self._enqueue(seq)
+        self._changes += 1
+        if self._lens is not None:
+            self._lens.on_request(rid, request.slo_ttft_s, request.slo_tpot_s, self._seqs)
+
+    def _check_admissible(self, request: BackendRequest, error: type[ValueError]) -> None:
+        rid = request.request_id
+        if rid in self._seqs:
+            raise error(f"duplicate request id {rid!r}")
+        prompt_len = len(request.prompt_token_ids)
+        max_tokens = request.sampling.max_tokens
+        if prompt_len <= 0 or max_tokens <= 0:
+            raise error(f"request {rid!r}: prompt and max_tokens must be non-empty, got "
+                        f"{prompt_len} prompt tokens and max_tokens={max_tokens}")
+        profile = self._profile
+        if prompt_len + max_tokens > profile.max_context_tokens:
+            raise error(f"request {rid!r}: prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds "
+                        f"the max context of {profile.max_context_tokens} tokens")
+        if math.ceil((prompt_len + max_tokens - 1) / profile.block_size) > profile.kv_blocks_total:
+            raise error(f"request {rid!r}: {prompt_len + max_tokens} tokens exceed the KV capacity of "
+                        f"{profile.kv_capacity_tokens} tokens")
+
+    def _exclusions(self, rid: RequestId, sampling: SamplingSpec,
+                    error: type[ValueError]) -> tuple[tuple[int, ...], int]:
+        """(sorted token ids never drawn, how many ids are drawn from)."""
         excluded = self._excluded
         if sampling.stop_token_ids:
             extra = {t for t in sampling.stop_token_ids if 0 <= t < self._vocab_size}
             excluded = tuple(sorted(set(excluded) | extra))
         token_range = self._vocab_size - len(excluded)
         if token_range <= 0:
-            raise ValueError(f"request {rid!r}: stop_token_ids leave no token ids to draw")
-        self._order += 1
-        seq = _Seq(rid, prompt_len, target_len, stop, request.priority, self._order, now_s, key, excluded,
-                   token_range)
-        self._seqs[rid] = seq
-        self._enqueue(seq)
-        self._changes += 1
+            raise error(f"request {rid!r}: stop_token_ids leave no token ids to draw")
+        return excluded, token_range
 
     def _output_length(self, request: BackendRequest, key: int) -> tuple[int, bool]:
         """(output tokens to produce, whether the last one is EOS: finish "stop" rather than "length")."""
@@ -208,9 +216,9 @@ class SimEngine:
         target = min(max(drawn, low), max_tokens)
         return target, target < max_tokens
 
-    def _enqueue(self, seq: _Seq) -> None:
+    def _enqueue(self, seq: Seq) -> None:
         """Put a request (new or preempted, holding no KV) in the waiting queue."""
-        seq.state = _WAITING
+        seq.state = WAITING
         seq.prefill_end = seq.num_tokens
         seq.reserved_blocks = -(-seq.num_tokens // self._profile.block_size)
         self._num_waiting += 1
@@ -218,8 +226,10 @@ class SimEngine:
         self._pending_prefill += seq.num_tokens
         heapq.heappush(self._waiting, (seq.priority, seq.order, seq))
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: Seq) -> None:
         """Free the KV of a running request taken off the running list; forget what it computed."""
+        if seq.migration is not None and not seq.migration.recomputed:
+            seq.migration.recomputed = seq.num_tokens - 1  # a preempted migrant recomputes what it loaded
         self._free_blocks += seq.num_blocks
         self._running_tokens -= seq.num_computed
         if seq.num_computed < seq.prefill_end:
@@ -231,19 +241,38 @@ class SimEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
-        if seq.state == _RUNNING:
+        if seq.state == RUNNING:
             self._running.remove(seq)
             self._release(seq)
+        elif seq.state == INCOMING:
+            self._drop_incoming(seq)
         else:  # waiting: its heap entry is skipped when it reaches the top
             self._num_waiting -= 1
             self._reserved_blocks -= seq.reserved_blocks
             self._pending_prefill -= seq.prefill_end
-        seq.state = _DONE
+        seq.state = DONE
         self._changes += 1
         return FinishEvent("abort", Usage(seq.prompt_len, seq.num_output), self._timings(seq, now_s))
 
+    def decoding_requests(self) -> tuple[list[RequestId], list[int], list[int], list[int]]:
+        """Running requests past their prefill: (ids, prompt tokens, output tokens so far, output left).
+
+        For the hidden-state tap: the engine knows each request's remaining output because it decides it.
+        """
+        ids: list[RequestId] = []
+        prompt: list[int] = []
+        generated: list[int] = []
+        remaining: list[int] = []
+        for seq in self._running:
+            if seq.num_output and seq.num_computed >= seq.prefill_end:
+                ids.append(seq.request_id)
+                prompt.append(seq.prompt_len)
+                generated.append(seq.num_output)
+                remaining.append(seq.target_len - seq.num_output)
+        return ids, prompt, generated, remaining
+
     @staticmethod
-    def _timings(seq: _Seq, end_s: float) -> Timings:
+    def _timings(seq: Seq, end_s: float) -> Timings:
         if seq.first_scheduled_s < 0:
             return Timings(queue_s=max(0.0, end_s - seq.arrival_s))
         queue_s = seq.first_scheduled_s - seq.arrival_s
@@ -259,7 +288,7 @@ class SimEngine:
             return False
         while heap:
             seq = heap[0][2]
-            if seq.state == _WAITING:
+            if seq.state == WAITING:
                 break
             heapq.heappop(heap)  # aborted while waiting
         else:
@@ -268,7 +297,7 @@ class SimEngine:
         if -(-chunk // self._profile.block_size) > free_blocks:
             return False
         heapq.heappop(heap)
-        seq.state = _RUNNING
+        seq.state = RUNNING
         self._running.append(seq)
         self._num_waiting -= 1
         self._reserved_blocks -= seq.reserved_blocks
@@ -283,14 +312,19 @@ class SimEngine:
         computed as soon as it is scheduled. Blocks freed by requests finishing in this iteration become free
         after it. With nothing to run it returns a zero-duration empty result and counts no iteration.
         """
+        if self._incoming:
+            self._load_incoming(now_s)
         running = self._running
         bs = self._profile.block_size
         budget = self._profile.max_batched_tokens
         free = self._free_blocks
+        lens = self._lens
+        if lens is not None:  # LENS's plan (Algorithm 1) may lower this iteration's token budget
+            budget = lens.budget(running, self._waiting, free, budget, now_s)
         eos = self._eos
         tokens: list[tuple[RequestId, int]] = []
-        firsts: list[_Seq] = []
-        done: list[_Seq] = []
+        firsts: list[Seq] = []
+        done: list[Seq] = []
         freed = preempted = pending_done = computed_now = context_tokens = 0
         n_pre = pre_tokens = pairs = prior = n_dec = dec_sum = dec_max = 0
         i = 0
@@ -358,7 +392,7 @@ class SimEngine:
                     token += 1
             tokens.append((seq.request_id, token))
             if k == seq.target_len:
-                seq.state = _DONE
+                seq.state = DONE
                 freed += seq.num_blocks
                 computed_now -= c
                 seq.num_blocks = 0
@@ -380,7 +414,9 @@ class SimEngine:
                 reason: FinishReason = "stop" if seq.stop_at_target else "length"
                 usage = Usage(seq.prompt_len, seq.num_output)
                 finished.append((seq.request_id, FinishEvent(reason, usage, self._timings(seq, end_s))))
-            self._running = [s for s in running if s.state == _RUNNING]
+                if lens is not None:
+                    lens.on_finished(seq, end_s)
+            self._running = [s for s in running if s.state == RUNNING]
             self._free_blocks = free = free + freed
         self._pending_prefill -= pending_done
         self._running_tokens += computed_now
@@ -389,10 +425,16 @@ class SimEngine:
         self._changes += 1
         record = IterationRecord(now_s, duration_s, n_pre, pre_tokens, n_dec, n_dec, context_tokens, free,
                                  preempted)
+        if lens is not None:
+            lens.after_iteration(record, end_s)
         return StepResult(duration_s, tuple(tokens), tuple(finished), record)
 
     def stats(self, now_s: float) -> EngineStats:
-        """The engine's figures after the last step (the driver overrides `draining`)."""
+        """The engine's figures after the last step (the driver overrides `draining`); with LENS attached, its
+        state vector for the queues now (cached until the engine changes)."""
+        lens = self._lens
+        figures = (LensFigures() if lens is None
+                   else lens.figures(self._running, self._waiting, self._free_blocks, self._changes, now_s))
         return EngineStats(
             timestamp_s=now_s,
             ready=True,
@@ -407,4 +449,5 @@ class SimEngine:
             running_batch_tokens=self._running_tokens,
             last_iteration_s=self._last_iteration_s,
             iterations_total=self._iterations,
+            lens=figures,
         )

@@ -39,6 +39,12 @@ Semantics
   each snapshot the newest report sent by then - `report_delay_s` is handed over with its true receive time,
   which gives the snapshots every-report delivery would give (see `reports`). Between reports, the
   optimistic accounting of `ClusterState` covers what was dispatched.
+- LENS (`engine_agent.sim.lens_adapter.SimLens`): every engine runs LENS's online model and reports its state
+  vector (what `prism` reads) unless `lens_state` is off; it plans each iteration's token budget when
+  `lens_planning` (or the engine spec's `:lens`) says so. Its refits run inline at iteration ends, so runs
+  stay deterministic. `slo_ttft_s` / `slo_tpot_s` travel with every request (features and engine), and each
+  finish is noted with `ClusterState.note_latency` (TTFT and E2E from the dispatch), as the live dispatcher
+  does.
 """
 
 from loadgen.simulate.runner import simulate

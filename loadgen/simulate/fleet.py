@@ -1,8 +1,10 @@
 """The simulated fleet: one `SimEngine` per engine, with its report stream and its counters.
 
-Owns: `SimNode` (an engine, its `ReportFeed`, whether an iteration is in flight and that iteration's result,
-per-engine totals), `build_fleet` (engine ids `{profile}-{i}`, numbered from 0 per profile in spec order, the
-same model names live agents report) and `PromptIds` (shared prompt token-id tuples by length).
+Owns: `SimNode` (an engine with its LENS (`SimLens`: planning per `EngineSpec.lens`, else
+`SimOptions.lens_planning`; none when neither planning nor `SimOptions.lens_state`), its `ReportFeed`, whether
+an iteration is in flight and that iteration's result, per-engine totals), `build_fleet` (engine ids
+`{profile}-{i}`, numbered from 0 per profile in spec order, the same model names live agents report) and
+`PromptIds` (shared prompt token-id tuples by length).
 Must not: order events, call policies or read clocks (that is `loadgen.simulate.runner`).
 """
 
@@ -13,10 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine_agent.sim.engine import SimEngine, StepResult
+from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.profiles import get_profile
 from gateway.cluster.snapshot import EngineId
 from loadgen.simulate.reports import ReportFeed, describe_engine
-from loadgen.simulate.spec import EngineSpec, SimOptions
+from loadgen.simulate.spec import LENS_STATE_POLICIES, EngineSpec, SimOptions
 
 # Bound on the token ids held by a `PromptIds` cache (8 bytes each): beyond it, tuples are made per request.
 MAX_CACHED_PROMPT_TOKENS = 8_000_000
@@ -50,12 +53,18 @@ class SimNode:
                  "requests",
                  "output_tokens", "busy_s", "empty_steps")
 
-    def __init__(self, engine_id: str, profile_name: str, options: SimOptions) -> None:
+    def __init__(self, engine_id: str, profile_name: str, options: SimOptions,
+                 lens_planning: bool | None = None) -> None:
         profile = get_profile(profile_name)
         self.engine_id = EngineId(engine_id)
         self.profile_name = profile_name
         self.model = profile.model.name
-        self.engine = SimEngine(profile, seed=options.seed, engine_id=engine_id)
+        planning = options.lens_planning if lens_planning is None else lens_planning
+        state = (options.lens_state if options.lens_state is not None
+                 else options.policy in LENS_STATE_POLICIES)
+        lens = (SimLens.for_profile(profile, planning=planning, state_vector=state)
+                if planning or state else None)
+        self.engine = SimEngine(profile, seed=options.seed, engine_id=engine_id, lens=lens)
         self.feed = ReportFeed(self.engine, describe_engine(engine_id, profile),
                                interval_s=options.state_interval_s, delay_s=options.report_delay_s)
         self.busy = False  # an iteration is in flight
@@ -85,5 +94,5 @@ def build_fleet(engines: Sequence[EngineSpec], options: SimOptions) -> list[SimN
         for _ in range(spec.count):
             index = counts.get(spec.profile, 0)
             counts[spec.profile] = index + 1
-            nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options))
+            nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options, spec.lens))
     return nodes

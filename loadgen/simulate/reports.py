@@ -80,6 +80,9 @@ def report_from_stats(
         pending_work_tokens=lens.pending_work_tokens,
         effective_free_kv_blocks=lens.effective_free_kv_blocks,
         peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
+        prediction_error_ratio=lens.prediction_error_ratio,
+        slo_risk=lens.slo_risk,
+        last_iteration_s=stats.last_iteration_s,
     )
 
 

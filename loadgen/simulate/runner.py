@@ -134,8 +134,11 @@ class _Run:
         max_tokens = forced_tokens if forced else self.options.max_output_tokens_default
         engine_request = _engine_request(request, self.model, max_tokens, forced, self.prompt_ids)
         prompt_estimate = estimate_prompt_tokens(engine_request)
+        options = self.options
+        hints = RoutingHints(arrival_s=now_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
+                             slo_tpot_s=options.slo_tpot_s)
         features = build_features(
-            engine_request, RoutingHints(arrival_s=now_s, session_id=session_id),
+            engine_request, hints,
             prompt_tokens=prompt_estimate, now_s=now_s, dispatch_seq=self.dispatch_seq,
             rand=self.rng.random(),
             session_engine=session_engine, session_last_used_s=session_last_used_s, exclude=frozenset())
@@ -150,7 +153,8 @@ class _Run:
         rid = request.request_id
         backend_request = BackendRequest(
             request_id=RequestId(rid), prompt_token_ids=self.prompt_ids(request.prompt_tokens),
-            sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=forced), session_id=session_id)
+            sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=forced), session_id=session_id,
+            slo_ttft_s=features.slo_ttft_s, slo_tpot_s=features.slo_tpot_s)
         node.feed.flush(now_s)
         try:
             node.engine.add_request(backend_request, now_s)
@@ -231,6 +235,8 @@ class _Run:
         times = self.times_of.pop(rid)
         index, arrival_s = self.info.pop(rid)
         self.state.note_finish(node.engine_id, rid)
+        self.state.note_latency(node.engine_id, times[0] - arrival_s if times else now_s - arrival_s,
+                                now_s - arrival_s, now_s)
         self.last_event_s = max(self.last_event_s, now_s)
         usage = event.usage
         self.outcomes[index] = Outcome(

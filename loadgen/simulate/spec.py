@@ -1,7 +1,7 @@
 """What a simulation takes and gives back: `EngineSpec`, `parse_engines`, `SimOptions`, `SimResult`.
 
 Owns: the public data types of `loadgen.simulate` and the parsing of a fleet description
-("h100-llama3-8b:6,a6000-llama3-8b:2").
+("h100-llama3-8b:6,a6000-llama3-8b:2", with an optional per-spec LENS mode: "h100-llama3-8b:6:lens").
 Must not: run anything, read clocks or files, or hold mutable module state.
 """
 
@@ -16,13 +16,21 @@ from typing import Any
 from engine_agent.sim.profiles import get_profile
 from loadgen.metrics import Outcome
 
+# Policies that read the engines' LENS state vector; the simulator runs LENS's model for them by default.
+LENS_STATE_POLICIES = frozenset({"prism"})
+
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """`count` simulated engines of the sim profile `profile` (ids `{profile}-{i}`, i from 0 per profile)."""
+    """`count` simulated engines of the sim profile `profile` (ids `{profile}-{i}`, i from 0 per profile).
+
+    `lens`: LENS batch planning for these engines (True "lens", False "static"); None follows
+    `SimOptions.lens_planning`.
+    """
 
     profile: str
     count: int
+    lens: bool | None = None
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -30,8 +38,12 @@ class EngineSpec:
         get_profile(self.profile)  # UnknownProfileError (a ValueError) naming the known profiles
 
 
+_LENS_MODES = {"lens": True, "static": False}
+
+
 def parse_engines(text: str) -> list[EngineSpec]:
-    """Parse "PROFILE:COUNT,PROFILE:COUNT" (a bare PROFILE means one engine); ValueError on a bad item."""
+    """Parse "PROFILE:COUNT[:lens|static],..." (a bare PROFILE means one engine; the mode sets LENS batch
+    planning for that spec, overriding `SimOptions.lens_planning`); ValueError on a bad item."""
     specs: list[EngineSpec] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -39,13 +51,20 @@ def parse_engines(text: str) -> list[EngineSpec]:
         profile, sep, raw = item.partition(":")
         profile = profile.strip()
         count = 1
+        lens: bool | None = None
         if sep:
+            raw_count, sep_mode, mode = raw.partition(":")
             try:
-                count = int(raw.strip())
+                count = int(raw_count.strip())
             except ValueError:
-                raise ValueError(f"bad engine spec {item!r}: expected PROFILE:COUNT, e.g. h100-llama3-8b:4"
-                                 ) from None
-        specs.append(EngineSpec(profile, count))
+                raise ValueError(f"bad engine spec {item!r}: expected PROFILE:COUNT[:lens|static], e.g. "
+                                 f"h100-llama3-8b:4") from None
+            if sep_mode:
+                if mode.strip() not in _LENS_MODES:
+                    raise ValueError(f"bad engine spec {item!r}: the mode after the count must be 'lens' or "
+                                     f"'static', got {mode.strip()!r}")
+                lens = _LENS_MODES[mode.strip()]
+        specs.append(EngineSpec(profile, count, lens))
     if not specs:
         raise ValueError(f"no engines in {text!r}: expected e.g. 'h100-llama3-8b:6,a6000-llama3-8b:2'")
     return specs
@@ -64,6 +83,12 @@ class SimOptions:
     `stale_after_s`: the gateway's staleness bound; `seed`: engine sampling seed and the dispatcher's random
     draws; `max_output_tokens_default`: max_tokens of requests with no forced output length;
     `record_timeline_s`: the timeline's sampling period.
+    `lens_planning`: LENS plans every engine's token budget (Algorithm 1) unless its `EngineSpec.lens` says
+    otherwise; `lens_state`: engines run LENS's model and report its state vector (Eq. 8) even without
+    planning; None (default) = only when the policy reads it (`LENS_STATE_POLICIES`: running the model costs
+    the simulator about 2x); False with planning off: no LENS at all.
+    `slo_ttft_s` / `slo_tpot_s`: the SLOs every request carries (to the policy's features and to the
+    engine), as the gateway takes them from `x-slo-*` headers; None: none sent.
     """
 
     policy: str = "round_robin"
@@ -74,6 +99,10 @@ class SimOptions:
     seed: int = 0
     max_output_tokens_default: int = 2048
     record_timeline_s: float = 1.0
+    lens_planning: bool = False
+    lens_state: bool | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         positive = {"state_interval_s": self.state_interval_s, "stale_after_s": self.stale_after_s,
@@ -83,6 +112,9 @@ class SimOptions:
                 raise ValueError(f"SimOptions.{name} must be a positive finite number, got {value}")
         if not (math.isfinite(self.report_delay_s) and self.report_delay_s >= 0):
             raise ValueError(f"SimOptions.report_delay_s must be >= 0 and finite, got {self.report_delay_s}")
+        for name, slo in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
+            if slo is not None and not (math.isfinite(slo) and slo > 0):
+                raise ValueError(f"SimOptions.{name} must be a positive finite number or None, got {slo}")
         if self.max_output_tokens_default < 1:
             raise ValueError(f"SimOptions.max_output_tokens_default must be >= 1, "
                              f"got {self.max_output_tokens_default}")

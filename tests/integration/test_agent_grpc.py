@@ -137,6 +137,7 @@ async def test_health_and_info(agent: Agent, stub: pb_grpc.EngineAgentStub, toke
     assert info.max_context_tokens == MAX_CONTEXT and info.block_size == 16
     assert info.tokenizer == tokenizer.identity and info.eos_token_id == tokenizer.eos_token_id
     assert info.gpu and info.gpu_memory_gb == 80.0 and info.tensor_parallel == 1
+    assert (info.hidden_size, info.hidden_state_interval) == (4096, 20)  # llama3-8b; the default interval
 
 
 async def test_streaming_chat_generate(stub: pb_grpc.EngineAgentStub, tokenizer: Tokenizer) -> None:

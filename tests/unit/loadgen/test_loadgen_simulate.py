@@ -357,3 +357,26 @@ async def test_token_counts_agree_with_a_live_sim_backend() -> None:
         await backend.stop()
     assert [o.output_tokens for o in simulated.outcomes] == live
     assert live[0] == 5 and live[2] == 9
+
+
+def test_slos_reach_the_policy_and_finished_latencies_reach_the_cluster_state(
+        recorded: list[Recording]) -> None:
+    schedule = [(0.0, req("a")), (1.0, req("b")), (2.0, req("c"))]
+    options = SimOptions(policy="latency_based", slo_ttft_s=0.5, slo_tpot_s=0.02)
+    simulate(schedule, [EngineSpec(H100, 1)], options)
+    seen = recorded[0].seen
+    assert all(f.slo_ttft_s == 0.5 and f.slo_tpot_s == 0.02 for f, _ in seen)
+    views = [snap.engines[0] for _, snap in seen]
+    assert [v.recent_latency_samples for v in views] == [0, 1, 2]  # note_latency after each finish
+    assert views[1].recent_ttft_s > 0 and views[1].recent_e2e_s >= views[1].recent_ttft_s
+
+
+def test_lens_state_reaches_prism_and_planning_follows_options_and_specs(recorded: list[Recording]) -> None:
+    schedule = [(0.05 * i, req(f"r{i}", 400, 32)) for i in range(120)]
+    simulate(schedule, [EngineSpec(H100, 1)], SimOptions(policy="prism"))
+    last = recorded[0].seen[-1][1].engines[0]
+    assert last.peak_throughput_tokens_per_s > 0  # LENS's state vector, on by default
+    simulate(schedule, [EngineSpec(H100, 1)], SimOptions(policy="prism", lens_state=False))
+    assert recorded[1].seen[-1][1].engines[0].peak_throughput_tokens_per_s == 0.0
+    with pytest.raises(ValueError, match="slo_tpot_s"):
+        SimOptions(slo_tpot_s=0.0)

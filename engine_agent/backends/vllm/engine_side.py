@@ -1,0 +1,247 @@
+"""Code that runs inside vLLM's own processes: the EngineCore (scheduler) and the model workers.
+
+vLLM's `AsyncLLM` always runs its EngineCore (scheduler, KV manager, executor) in a separate process, so the
+agent reaches it through three hooks vLLM provides, all loaded by qualified name in that process:
+
+- `AgentScheduler` / `AgentAsyncScheduler` (`scheduler_cls`): vLLM's scheduler with a per-iteration token
+  budget the agent may set (LENS; None = vLLM's own) and the methods below. Importing this module also
+  attaches the agent's utility methods to `EngineCore`, which
+  `AsyncLLM.engine_core.call_utility_async(name, ...)` calls between engine steps.
+- `HiddenStateTap` (`worker_extension_cls`): wraps the model's `compute_logits` so every k-th sampling step
+  copies the post-final-norm last-token rows of the batch to host memory; the agent drains them with
+  `collective_rpc("agent_tap_drain")`.
+
+Owns: the engine-side halves of engine state (queue lengths, pending prefill tokens, free / reserved KV
+blocks), the per-iteration budget, the migration cut (finish-then-pull over NixlConnector's bidirectional
+mode) and forgetting a migrated-in request's transfer params, the hidden-state tap.
+Must not: import anything from the agent but this module and the pure `engine_agent.lens` planner (it loads in
+vLLM's processes), block the engine loop, or keep references to finished requests.
+
+Private vLLM attributes touched here (version-checked by the vLLM test module): `Scheduler.connector.
+connector_scheduler._reqs_in_batch` (so the NIXL worker tracks the cut request and honours the hold), and
+`Request.max_tokens` (the cut).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import RequestStatus
+
+from engine_agent.lens.perf_model import LatencyParams
+from engine_agent.lens.planner import PlanLimits, QueueView, plan_batch
+
+MIGRATE_OUT_MARKER = "agent_migrate_out"
+
+
+class _AgentSchedulerMixin:
+    """Adds the agent's budget and read-outs to vLLM's scheduler (mixed into both scheduler kinds)."""
+
+    agent_budget: int | None = None
+    # LENS (Algorithm 1) runs here, before every schedule(), with the latency model the agent fits and pushes:
+    # (params, target latency, limits); None = vLLM's static budget.
+    agent_lens: tuple[LatencyParams, float, PlanLimits] | None = None
+    agent_plans = 0
+
+    def _agent_queue_view(self) -> QueueView:
+        running = [max(r.num_tokens - r.num_computed_tokens, 1) for r in self.running]  # type: ignore[attr-defined]
+        waiting = [max(r.num_tokens - r.num_computed_tokens, 0) for r in self.waiting]  # type: ignore[attr-defined]
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()  # type: ignore[attr-defined]
+        return QueueView(np.asarray(running, dtype=np.int64), np.asarray(waiting, dtype=np.int64), int(free))
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        budget = self.agent_budget
+        lens = self.agent_lens
+        if lens is not None:
+            params, target_s, limits = lens
+            plan = plan_batch(self._agent_queue_view(), limits, params, target_s)
+            if plan is not None:
+                budget = plan.token_budget
+                self.agent_plans += 1
+        if budget is None:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        configured = self.max_num_scheduled_tokens  # type: ignore[attr-defined]
+        self.max_num_scheduled_tokens = max(1, min(budget, configured))
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.max_num_scheduled_tokens = configured
+
+    def agent_state(self, lens: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The scheduler's figures; `lens` (when given) updates the LENS plan inputs first."""
+        if lens is not None:
+            params = lens.get("params")
+            self.agent_lens = (
+                None
+                if params is None
+                else (
+                    LatencyParams(*params),
+                    float(lens["target_s"]),
+                    PlanLimits(
+                        int(lens["max_num_seqs"]), int(lens["max_batched_tokens"]), int(lens["block_size"])
+                    ),
+                )
+            )
+        running = list(self.running)  # type: ignore[attr-defined]
+        waiting = list(self.waiting)  # type: ignore[attr-defined]
+        block_pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+        block_size = self.block_size  # type: ignore[attr-defined]
+        pending_prefill = 0
+        running_tokens = 0
+        run_todo: list[int] = []
+        wait_todo: list[int] = []
+        for req in running:
+            running_tokens += req.num_computed_tokens
+            run_todo.append(max(req.num_tokens - req.num_computed_tokens, 1))
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                pending_prefill += req.num_prompt_tokens - req.num_computed_tokens
+        reserved = 0
+        for req in waiting:
+            todo = max(req.num_tokens - req.num_computed_tokens, 0)
+            wait_todo.append(todo)
+            pending_prefill += todo
+            reserved += -(-todo // block_size)
+        return {
+            "num_running": len(running),
+            "num_waiting": len(waiting),
+            "kv_blocks_free": int(block_pool.get_num_free_blocks()),
+            "kv_blocks_total": int(block_pool.num_gpu_blocks) - 1,  # block 0 is vLLM's null block
+            "kv_blocks_reserved": reserved,
+            "pending_prefill_tokens": pending_prefill,
+            "running_batch_tokens": running_tokens,
+            "budget": self.agent_budget,
+            "running_tokens": run_todo,
+            "waiting_tokens": wait_todo,
+            "lens_plans": self.agent_plans,
+        }
+
+    def agent_cut(self, request_id: str) -> dict[str, Any]:
+        """Make a running request finish after its next token with its KV held and exported.
+
+        The request then ends with FINISHED_LENGTH_CAPPED; NixlConnector's bidirectional mode treats it as a
+        decode-side request, holds its blocks (for `decoder_kv_blocks_ttl`) and returns
+        `kv_transfer_params` on its last output. Answers {"error": reason} when it cannot.
+        """
+        req = self.requests.get(request_id)  # type: ignore[attr-defined]
+        if req is None or req.is_finished():
+            return {"error": "request is not on this engine (finished or unknown)"}
+        if req.status != RequestStatus.RUNNING:
+            return {
+                "error": f"request is not running (status {req.status.name}); only decoding requests move"
+            }
+        if req.num_computed_tokens < req.num_prompt_tokens or req.num_output_tokens == 0:
+            return {"error": "request is still in prefill; only decoding requests move"}
+        connector = self.connector  # type: ignore[attr-defined]
+        if connector is None or getattr(connector, "connector_scheduler", None) is None:
+            return {"error": "this engine has no KV connector (migration is off)"}
+        if req.kv_transfer_params:
+            return {"error": "request already carries KV transfer state (a migration is in progress)"}
+        if req.max_tokens <= req.num_output_tokens + 1:
+            return {"error": "request is about to finish (no tokens left to move)"}
+        req.kv_transfer_params = {MIGRATE_OUT_MARKER: True}
+        connector.connector_scheduler._reqs_in_batch.add(request_id)
+        req.max_tokens = req.num_output_tokens + 1
+        return {"num_output_tokens": req.num_output_tokens, "num_computed_tokens": req.num_computed_tokens}
+
+    def agent_forget_transfer(self, request_id: str) -> bool:
+        """A migrated-in request whose KV has loaded: free its blocks at finish instead of holding them."""
+        req = self.requests.get(request_id)  # type: ignore[attr-defined]
+        if req is None:
+            return False
+        req.kv_transfer_params = None
+        return True
+
+    def agent_set_budget(self, budget: int | None) -> None:
+        self.agent_budget = budget
+
+
+class AgentScheduler(_AgentSchedulerMixin, Scheduler):
+    """vLLM's synchronous scheduler with the agent's hooks (the CPU platform forces this one)."""
+
+
+class AgentAsyncScheduler(_AgentSchedulerMixin, AsyncScheduler):
+    """vLLM's async scheduler with the agent's hooks (the GPU default)."""
+
+
+def _engine_state(self: EngineCore, lens: dict[str, Any] | None = None) -> dict[str, Any]:
+    return self.scheduler.agent_state(lens)  # type: ignore[attr-defined]
+
+
+def _engine_cut(self: EngineCore, request_id: str) -> dict[str, Any]:
+    return self.scheduler.agent_cut(request_id)  # type: ignore[attr-defined]
+
+
+def _engine_forget_transfer(self: EngineCore, request_id: str) -> bool:
+    return self.scheduler.agent_forget_transfer(request_id)  # type: ignore[attr-defined]
+
+
+def _engine_set_budget(self: EngineCore, budget: int | None) -> None:
+    self.scheduler.agent_set_budget(budget)  # type: ignore[attr-defined]
+
+
+EngineCore.agent_state = _engine_state  # type: ignore[attr-defined]
+EngineCore.agent_cut = _engine_cut  # type: ignore[attr-defined]
+EngineCore.agent_forget_transfer = _engine_forget_transfer  # type: ignore[attr-defined]
+EngineCore.agent_set_budget = _engine_set_budget  # type: ignore[attr-defined]
+
+
+class HiddenStateTap:
+    """Worker extension: every k-th sampling step, the last-token post-final-norm hidden state per request.
+
+    vLLM adds this class to the worker's bases (`worker_extension_cls`), so `self.model_runner` is the
+    worker's model runner. The wrapper sits on `model.compute_logits`, which receives exactly the rows vLLM
+    samples from (one per request, in `input_batch.req_ids` order, without speculative decoding); calls of
+    another shape (prompt logprobs, dummy runs) are not counted. The model forward itself runs under
+    torch.compile / CUDA graphs, so hooks inside it would not fire on replay; the sampling step is eager. Only
+    rank 0 records (every tensor-parallel rank holds the full post-norm state).
+    """
+
+    def agent_tap_install(self, interval: int, max_batches: int = 64) -> bool:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.model
+        if getattr(model, "_agent_tap_installed", False) or interval <= 0:
+            return False
+        rank = getattr(self, "rank", 0)
+        batches: deque[tuple[int, list[str], list[int], Any]] = deque(maxlen=max_batches)
+        self._agent_tap_batches = batches
+        original = model.compute_logits
+        state = {"step": 0}
+
+        def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            input_batch = runner.input_batch
+            if hidden_states.shape[0] == input_batch.num_reqs and input_batch.num_reqs > 0:
+                state["step"] += 1
+                if rank == 0 and state["step"] % interval == 0:
+                    n = input_batch.num_reqs
+                    req_ids = list(input_batch.req_ids[:n])
+                    generated = (
+                        input_batch.num_tokens_no_spec[:n] - input_batch.num_prompt_tokens[:n]
+                    ).tolist()
+                    rows = hidden_states.detach().to("cpu", dtype=_float32(), non_blocking=True)
+                    batches.append((state["step"], req_ids, generated, rows))
+            return original(hidden_states, *args, **kwargs)
+
+        model.compute_logits = compute_logits
+        model._agent_tap_installed = True
+        return True
+
+    def agent_tap_drain(self) -> list[tuple[int, list[str], list[int], bytes, int]]:
+        """Batches since the last drain: (step, request ids, generated counts, float32 rows, width)."""
+        batches = getattr(self, "_agent_tap_batches", None)
+        out: list[tuple[int, list[str], list[int], bytes, int]] = []
+        while batches:
+            step, req_ids, generated, rows = batches.popleft()
+            array = rows.numpy()
+            out.append((step, req_ids, generated, array.tobytes(), int(array.shape[1])))
+        return out
+
+
+def _float32() -> Any:
+    import torch  # noqa: PLC0415 - torch is vLLM's dependency; imported where the worker already has it
+
+    return torch.float32

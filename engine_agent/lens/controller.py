@@ -1,0 +1,247 @@
+"""`LensController`: LENS for one engine, gluing the online model, the adaptive target and Algorithm 1.
+
+Owns: what an engine backend calls around its scheduler: `on_iteration` (feed the model),
+`on_request_finished` (feed the target), `plan` (the next iteration's token budget, or None for the backend's
+default), the refit policy (`take_refit_job` / `install_refit`, or `maybe_refit` inline) and `state_vector`
+(Eq. 8, `LensFigures`).
+Must not: read clocks (every method that needs time takes `now_s`), start threads or tasks, or touch a
+backend: the caller decides whether a refit runs inline (the simulator: deterministic) or in an executor (a
+real-time agent: `job = take_refit_job(now_s)`, `install_refit(await loop.run_in_executor(None, job))`).
+
+Choices:
+- B and S of an iteration record: B = prefill sequences + decode sequences, S = prefill tokens + decode tokens
+  (every token computed in the iteration); empty iterations are not observed.
+- Refit policy: a job is due once `refit_every_observations` iterations have been observed since the last one,
+  or `refit_interval_s` has passed with at least one new observation; never two at once. Each job runs the
+  short-window linear refit and, when `LatencyModel.structural_due`, the long-window structural fit first.
+- Cold start and trust: `plan` returns None (the backend's default batching) until the model is `ready`, and
+  whenever its recent a-priori error ratio exceeds `plan_max_error_ratio` (25%): the first samples come from
+  the default schedule rather than from a planner driven by an unfitted model, and a model that stopped
+  predicting (a drift it has not caught up with yet) degrades to the default batching instead of steering.
+- SLOs: the tightest TTFT / TPOT SLO among the queued requests (`QueueView.slo_*_s`), else the configured
+  defaults (Algorithm 1, line 7: TargetLatency(Q_wait u Q_run, SLOs)).
+- Eq. 8 (`state_vector`):
+  L-hat: Predict of the batch the engine would run next: Algorithm 1's plan when LENS plans, else the
+  greedy batch under the static limits (Q_max, M_max). W (tokens): pending prefill (running sequences needing
+  more than one token + every waiting sequence's uncomputed tokens) + expected decode: L-bar per waiting or
+  prefilling request, L-bar / 2 per decoding request (on average half way through its output). M_free: free KV
+  blocks minus ceil((uncomputed tokens + L-bar) / block_size) per waiting request, floored at 0. P_max: the
+  model's peak throughput (tokens/s). Until the model is ready, L-hat and P_max are reported as 0 (unknown);
+  W, M_free, the a-priori error ratio and the SLO risk are always filled.
+- `enabled` = False (ablation: static budget) turns planning off only; the model keeps learning and the state
+  vector keeps being computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from engine_agent.backends.base import LensFigures
+from engine_agent.lens.perf_model import FitOutcome, LatencyModel, LatencyModelConfig, predict_scalar
+from engine_agent.lens.planner import BatchPlan, PlanLimits, QueueView, allocate, plan_batch
+from engine_agent.lens.target import AdaptiveTarget, TargetConfig, TargetDecision
+
+
+class IterationSample(Protocol):
+    """What LENS reads of one iteration (the sim's `IterationRecord` has it; so can vLLM's step details)."""
+
+    @property
+    def duration_s(self) -> float: ...
+
+    @property
+    def num_prefill_seqs(self) -> int: ...
+
+    @property
+    def num_prefill_tokens(self) -> int: ...
+
+    @property
+    def num_decode_seqs(self) -> int: ...
+
+    @property
+    def num_decode_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LensConfig:
+    enabled: bool = True
+    default_slo_ttft_s: float = 2.0
+    default_slo_tpot_s: float = 0.05
+    refit_every_observations: int = 16
+    refit_interval_s: float = 1.0
+    search_iters: int = 16
+    eps_ratio: float = 0.05
+    plan_max_error_ratio: float = 0.25
+    model: LatencyModelConfig = field(default_factory=LatencyModelConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+
+
+class LensController:
+    """LENS for one engine (see the module docstring). Not thread-safe: call it from the engine's loop."""
+
+    def __init__(self, limits: PlanLimits, config: LensConfig | None = None,
+                 model: LatencyModel | None = None, target: AdaptiveTarget | None = None) -> None:
+        self._config = cfg = config or LensConfig()
+        self._limits = limits
+        self._enabled = cfg.enabled
+        self._model = model or LatencyModel(cfg.model)
+        self._target = target or AdaptiveTarget(cfg.target)
+        self._since_fit = 0
+        self._last_fit_s = -math.inf
+        self._in_flight = False
+        self._last_plan: BatchPlan | None = None
+        self._last_decision: TargetDecision | None = None
+
+    @property
+    def config(self) -> LensConfig:
+        return self._config
+
+    @property
+    def limits(self) -> PlanLimits:
+        return self._limits
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def set_enabled(self, enabled: bool) -> None:
+        self._enabled = enabled
+
+    @property
+    def planning(self) -> bool:
+        """LENS steers batching now: enabled, the model ready and its recent error acceptable."""
+        model = self._model
+        return (self._enabled and model.ready
+                and model.recent_error_ratio <= self._config.plan_max_error_ratio)
+
+    @property
+    def model(self) -> LatencyModel:
+        return self._model
+
+    @property
+    def target(self) -> AdaptiveTarget:
+        return self._target
+
+    @property
+    def last_plan(self) -> BatchPlan | None:
+        return self._last_plan
+
+    @property
+    def last_decision(self) -> TargetDecision | None:
+        return self._last_decision
+
+    # -- feedback ------------------------------------------------------------------------------------------
+
+    def on_iteration(self, record: IterationSample, now_s: float) -> None:
+        """An iteration that ended at `now_s`."""
+        batch_size = record.num_prefill_seqs + record.num_decode_seqs
+        tokens = record.num_prefill_tokens + record.num_decode_tokens
+        if batch_size <= 0 or tokens <= 0 or record.duration_s <= 0.0:
+            return
+        self._model.observe(batch_size, tokens, record.duration_s, now_s)
+        self._since_fit += 1
+        if self._last_fit_s == -math.inf:
+            self._last_fit_s = now_s  # the refit interval runs from the first observation
+
+    def on_request_finished(self, ttft_s: float, tpot_s: float, output_tokens: int) -> None:
+        self._target.observe_request(ttft_s, tpot_s, output_tokens)
+
+    # -- refits --------------------------------------------------------------------------------------------
+
+    def refit_due(self, now_s: float) -> bool:
+        if self._in_flight or self._since_fit == 0:
+            return False
+        cfg = self._config
+        return (self._since_fit >= cfg.refit_every_observations
+                or now_s - self._last_fit_s >= cfg.refit_interval_s)
+
+    def take_refit_job(self, now_s: float) -> Callable[[], FitOutcome] | None:
+        """The due refit as a pure callable (None when none is due); call `install_refit` with its result."""
+        if not self.refit_due(now_s):
+            return None
+        self._in_flight = True
+        self._since_fit = 0
+        self._last_fit_s = now_s
+        return self._model.refit_job(now_s)
+
+    def install_refit(self, outcome: FitOutcome) -> None:
+        self._model.install(outcome)
+        self._in_flight = False
+
+    def abandon_refit(self) -> None:
+        """The job failed or was cancelled: allow the next one."""
+        self._in_flight = False
+
+    def maybe_refit(self, now_s: float) -> FitOutcome | None:
+        """Run the due refit inline (the simulator's deterministic path)."""
+        job = self.take_refit_job(now_s)
+        if job is None:
+            return None
+        outcome = job()
+        self.install_refit(outcome)
+        return outcome
+
+    # -- decisions -----------------------------------------------------------------------------------------
+
+    def decide_target(self, view: QueueView) -> TargetDecision:
+        cfg = self._config
+        ttft = view.slo_ttft_s if view.slo_ttft_s is not None else cfg.default_slo_ttft_s
+        tpot = view.slo_tpot_s if view.slo_tpot_s is not None else cfg.default_slo_tpot_s
+        decision = self._target.target(ttft, tpot, int(view.waiting_tokens.shape[0]))
+        self._last_decision = decision
+        return decision
+
+    def plan(self, view: QueueView, now_s: float) -> BatchPlan | None:
+        """Algorithm 1 for the iteration starting at `now_s`; None: use the backend's default batching."""
+        del now_s  # the plan depends on the queue and the model only; kept for the backends' call shape
+        if not self.planning:
+            self._last_plan = None
+            return None
+        decision = self.decide_target(view)
+        cfg = self._config
+        plan = plan_batch(view, self._limits, self._model.params, decision.target_latency_s,
+                          search_iters=cfg.search_iters, eps_ratio=cfg.eps_ratio)
+        self._last_plan = plan
+        return plan
+
+    def state_vector(self, view: QueueView, now_s: float) -> LensFigures:
+        """Eq. 8 plus the model's recent error and the SLO risk (see the module docstring)."""
+        del now_s
+        limits = self._limits
+        decision = self.decide_target(view)
+        l_bar = decision.decode_tokens
+        run, wait = view.running_tokens, view.waiting_tokens
+        prefilling = run > 1
+        n_prefilling = int(np.count_nonzero(prefilling))
+        pending_prefill = int(run[prefilling].sum()) + int(wait.sum())
+        n_wait = int(wait.shape[0])
+        decoding = int(run.shape[0]) - n_prefilling
+        work = pending_prefill + l_bar * (n_wait + n_prefilling) + 0.5 * l_bar * decoding
+        bs = limits.block_size
+        reserved = int(np.sum(np.ceil((wait + l_bar) / bs))) if n_wait else 0
+        free = max(view.free_kv_blocks - reserved, 0)
+        latency_s = peak = 0.0
+        if self._model.ready:
+            peak = self._model.peak_throughput
+            plan = None
+            if self.planning:
+                cfg = self._config
+                plan = plan_batch(view, limits, self._model.params, decision.target_latency_s,
+                                  search_iters=cfg.search_iters, eps_ratio=cfg.eps_ratio)
+            if plan is not None:
+                latency_s = plan.predicted_latency_s
+            else:
+                b, s = allocate(view, limits, limits.max_num_seqs, limits.max_batched_tokens)
+                latency_s = predict_scalar(self._model.params, b, s)
+        return LensFigures(
+            predicted_batch_latency_s=latency_s,
+            pending_work_tokens=float(work),
+            effective_free_kv_blocks=free,
+            peak_throughput_tokens_per_s=peak,
+            prediction_error_ratio=self._model.recent_error_ratio,
+            slo_risk=decision.slo_risk,
+        )

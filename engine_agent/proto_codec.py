@@ -1,0 +1,229 @@
+"""Proto <-> domain translation for the engine agent's servicer: requests, events, state and tickets.
+
+Owns: a `GenerateRequest` into a `BackendRequest` (tokenizing the prompt: ids, text or chat template, and
+validating it and the output budget against the context limit: `ValueError` with the client-facing message),
+the stream's `delta` / `finished` events, the `EngineState` pushed by WatchState, and the wire ticket
+(`ticket_to_proto`: the domain ticket plus the original request, no prompt; `ticket_from_proto`:
+`ValueError` when it cannot describe a resumable request).
+Must not: hold state, call the backend, stream, detokenize or match stop strings (that is
+`engine_agent.service` and `engine_agent.output_text`), or read time.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from engine_agent.backends.base import (
+    BackendRequest,
+    EngineStats,
+    MigrationTicket,
+    RequestId,
+    SamplingSpec,
+)
+from engine_agent.proto_gen import engine_agent_pb2 as pb
+from engine_agent.tokenization import Tokenizer
+
+# -- requests -----------------------------------------------------------------------------------------
+
+
+def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids (given, or tokenized); `ValueError` when there is none or an id is invalid."""
+    kind = request.WhichOneof("prompt")
+    if kind == "prompt_token_ids":
+        ids = list(request.prompt_token_ids.ids)
+        vocab = tokenizer.vocab_size
+        bad = next((i for i in ids if i >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+    elif kind == "prompt_text":
+        ids = tokenizer.encode(request.prompt_text, add_special_tokens=True)
+    elif kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise ValueError("chat prompt has no messages")
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=request.chat.add_generation_prompt
+        )
+    else:
+        raise ValueError("request has no prompt (prompt_token_ids, prompt_text or chat)")
+    if not ids:
+        raise ValueError("prompt is empty")
+    return ids
+
+
+def to_backend_request(
+    request: pb.GenerateRequest, tokenizer: Tokenizer, *, max_context_tokens: int
+) -> BackendRequest:
+    """The backend's request (a fresh id when the client sent none); `ValueError` when it cannot run."""
+    prompt = prompt_ids(request, tokenizer)
+    limit = max_context_tokens
+    sampling = request.sampling
+    if len(prompt) >= limit:
+        raise ValueError(
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{len(prompt)} tokens (no room for output)."
+        )
+    max_tokens = sampling.max_tokens or limit - len(prompt)
+    if len(prompt) + max_tokens > limit:
+        raise ValueError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
+            f"{max_tokens} for the completion)."
+        )
+    if sampling.min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({sampling.min_tokens}) is greater than max_tokens ({max_tokens})")
+    if request.target_output_tokens > max_tokens:
+        raise ValueError(
+            f"target_output_tokens ({request.target_output_tokens}) is greater than "
+            f"max_tokens ({max_tokens})"
+        )
+    slo = request.slo
+    return BackendRequest(
+        request_id=RequestId(request.request_id or f"agent-{uuid.uuid4().hex}"),
+        prompt_token_ids=tuple(prompt),
+        sampling=_sampling_spec(sampling, max_tokens),
+        slo_ttft_s=_slo_s(slo.ttft_ms),
+        slo_tpot_s=_slo_s(slo.tpot_ms),
+        priority=request.priority,
+        target_output_tokens=request.target_output_tokens,
+        session_id=request.session_id,
+    )
+
+
+
+def _sampling_spec(sampling: pb.SamplingParams, max_tokens: int) -> SamplingSpec:
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        min_tokens=sampling.min_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p or 1.0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+def _slo_s(milliseconds: float) -> float | None:
+    return milliseconds / 1000.0 if milliseconds > 0 else None
+
+
+# -- events and state ---------------------------------------------------------------------------------
+
+
+def delta_event(ids: tuple[int, ...], text: str) -> pb.GenerateEvent:
+    return pb.GenerateEvent(delta=pb.TokenDelta(token_ids=ids, text=text))
+
+
+def finished_event(
+    reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    timings: pb.EngineTimings,
+    *,
+    stop_reason: str = "",
+    error_message: str = "",
+) -> pb.GenerateEvent:
+    return pb.GenerateEvent(
+        finished=pb.Finished(
+            finish_reason=reason,
+            usage=pb.Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens
+            ),
+            timings=timings,
+            stop_reason=stop_reason,
+            error_message=error_message,
+        )
+    )
+
+
+def engine_state(
+    stats: EngineStats, *, identity: pb.EngineIdentity, seq: int, draining: bool
+) -> pb.EngineState:
+    """The WatchState push: the backend's stats, `seq`, and the service's own draining flag on top."""
+    lens = stats.lens
+    return pb.EngineState(
+        identity=identity,
+        seq=seq,
+        timestamp_s=stats.timestamp_s,
+        ready=stats.ready and not draining,
+        draining=draining or stats.draining,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_preempted_total=stats.num_preempted_total,
+        kv_blocks_total=stats.kv_blocks_total,
+        kv_blocks_free=stats.kv_blocks_free,
+        kv_blocks_reserved=stats.kv_blocks_reserved,
+        pending_prefill_tokens=stats.pending_prefill_tokens,
+        running_batch_tokens=stats.running_batch_tokens,
+        last_iteration_s=stats.last_iteration_s,
+        iterations_total=stats.iterations_total,
+        lens=pb.LensState(
+            predicted_batch_latency_s=lens.predicted_batch_latency_s,
+            pending_work_tokens=lens.pending_work_tokens,
+            effective_free_kv_blocks=lens.effective_free_kv_blocks,
+            peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
+            prediction_error_ratio=lens.prediction_error_ratio,
+            slo_risk=lens.slo_risk,
+        ),
+    )
+
+
+# -- migration tickets --------------------------------------------------------------------------------
+
+
+def ticket_to_proto(ticket: MigrationTicket, request: pb.GenerateRequest) -> pb.MigrationTicket:
+    """The wire ticket: the domain ticket plus the original request (stop strings, SLOs, ...), no prompt."""
+    original = pb.GenerateRequest()
+    original.CopyFrom(request)
+    original.ClearField("prompt")
+    original.request_id = ticket.request_id
+    return pb.MigrationTicket(
+        request_id=ticket.request_id,
+        source_engine_id=ticket.source_engine_id,
+        target=ticket.target,
+        backend=ticket.backend,
+        model=ticket.model,
+        prompt_token_ids=pb.TokenIds(ids=ticket.prompt_token_ids),
+        output_token_ids=pb.TokenIds(ids=ticket.output_token_ids),
+        request=original,
+        remaining_tokens=ticket.remaining_tokens,
+        kv_tokens=ticket.kv_tokens,
+        kv_bytes=ticket.kv_bytes,
+        transfer_params=ticket.transfer_params,
+        cut_timestamp_s=ticket.cut_timestamp_s,
+    )
+
+
+def ticket_from_proto(ticket: pb.MigrationTicket) -> MigrationTicket:
+    """The domain ticket; ValueError when the wire ticket cannot describe a resumable request."""
+    if not ticket.request_id:
+        raise ValueError("the ticket has no request_id")
+    prompt = tuple(ticket.prompt_token_ids.ids)
+    output = tuple(ticket.output_token_ids.ids)
+    if not prompt or not output:
+        raise ValueError("the ticket needs prompt and output token ids")
+    if ticket.remaining_tokens <= 0:
+        raise ValueError("the ticket leaves no output budget (remaining_tokens 0)")
+    request = ticket.request
+    return MigrationTicket(
+        request_id=RequestId(ticket.request_id),
+        source_engine_id=ticket.source_engine_id,
+        target=ticket.target,
+        backend=ticket.backend,
+        model=ticket.model,
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        # max_tokens counts the whole output: what the source produced plus the budget left.
+        sampling=_sampling_spec(request.sampling, len(output) + ticket.remaining_tokens),
+        remaining_tokens=ticket.remaining_tokens,
+        kv_tokens=ticket.kv_tokens,
+        kv_bytes=ticket.kv_bytes,
+        transfer_params=ticket.transfer_params,
+        slo_ttft_s=_slo_s(request.slo.ttft_ms),
+        slo_tpot_s=_slo_s(request.slo.tpot_ms),
+        priority=request.priority,
+        target_output_tokens=request.target_output_tokens,
+        session_id=request.session_id,
+        cut_timestamp_s=ticket.cut_timestamp_s,
+    )

@@ -1,0 +1,123 @@
+"""`switchyard up --backend vllm`: argument rules, defaults, the agents' command lines and the banner (no vLLM
+needed: nothing is spawned)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from switchyard.cli import DEFAULT_ENGINES, banner, build_up_parser, check_up_args, main, up
+from switchyard.local_fleet import DEFAULT_START_TIMEOUT_S, AgentSpec, LocalFleet, plan_agents
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "tiny"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    return out
+
+
+def checked(argv: list[str]) -> argparse.Namespace:
+    parser = build_up_parser()
+    args = parser.parse_args(argv)
+    check_up_args(parser, args)
+    return args
+
+
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        up(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_sim_defaults_are_unchanged() -> None:
+    args = checked([])
+    assert (args.backend, args.model, args.engines) == ("sim", None, DEFAULT_ENGINES["sim"])
+    assert args.engines == 4
+    assert args.startup_timeout_s == DEFAULT_START_TIMEOUT_S["sim"] == 60.0
+
+
+def test_vllm_defaults_to_one_engine_a_long_startup_and_an_absolute_model_path(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(model_dir.parent)
+    args = checked(["--backend", "vllm", "--model", "tiny"])
+    assert args.engines == 1
+    assert args.startup_timeout_s == DEFAULT_START_TIMEOUT_S["vllm"] == 300.0
+    assert args.model == str(model_dir.resolve())
+
+
+def test_explicit_engines_and_startup_timeout_win(model_dir: Path) -> None:
+    args = checked(
+        ["--backend", "vllm", "--model", str(model_dir), "--engines", "2", "--startup-timeout-s", "600"]
+    )
+    assert (args.engines, args.startup_timeout_s) == (2, 600.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backend", "vllm"], "--backend vllm needs --model DIR"),
+        (["--backend", "vllm", "--model", "{missing}"], "no such directory"),
+        (["--backend", "vllm", "--model", "{empty}"], "no config.json"),
+        (["--backend", "vllm", "--model", "{model}", "--profile", "h100-llama3-8b"], "--profile is for"),
+        (["--model", "{model}"], "--model is for --backend vllm"),
+        (["--backend", "vllm", "--model", "{model}", "--startup-timeout-s", "0"], "must be positive"),
+        (["--backend", "vllm", "--model", "{model}", "--engines", "0"], "need at least one engine"),
+        (["--backend", "tgi"], "invalid choice: 'tgi'"),
+    ],
+)
+def test_up_rejects_bad_backend_arguments_in_one_line(
+    argv: list[str], message: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty").mkdir()
+    paths = {"model": model_dir, "missing": tmp_path / "missing", "empty": tmp_path / "empty"}
+    argv = [a.format(**paths) for a in argv]
+    line = usage_error(argv, capsys)
+    assert line.startswith("switchyard up: error: ")
+    assert message in line
+
+
+def test_vllm_agents_are_spawned_with_the_model_directory(model_dir: Path) -> None:
+    specs = plan_agents(2, [], 50051, backend="vllm", model=str(model_dir))
+    assert [s.address for s in specs] == ["127.0.0.1:50051", "127.0.0.1:50052"]
+    assert specs[0].backend_args() == ["--backend", "vllm", "--model", str(model_dir)]
+    assert specs[0].label == "vllm:tiny"
+    sim = plan_agents(1, ["h100-llama3-8b"], 50051)[0]
+    assert sim.backend_args() == ["--backend", "sim", "--profile", "h100-llama3-8b"]
+    with pytest.raises(ValueError, match="needs a model directory"):
+        AgentSpec("engine-0", "", 50051, backend="vllm")
+
+
+def test_the_fleet_waits_by_backend_unless_told() -> None:
+    vllm = AgentSpec("engine-0", "", 50051, backend="vllm", model="/m")
+    sim = AgentSpec("engine-1", "h100-llama3-8b", 50052)
+    assert LocalFleet([vllm, sim]).start_timeout_s(vllm) == 300.0
+    assert LocalFleet([vllm, sim]).start_timeout_s(sim) == 60.0
+    assert LocalFleet([vllm], start_timeout_s=90.0).start_timeout_s(vllm) == 90.0
+
+
+def test_the_banner_says_what_the_engines_are(model_dir: Path) -> None:
+    specs = plan_agents(1, [], 50051, backend="vllm", model=str(model_dir))
+    text = banner("http://127.0.0.1:8000", specs, ["tiny"], "round_robin")
+    assert text.splitlines()[0] == (
+        "Switchyard is up: 1 vLLM engine(s) [engine-0=vllm:tiny@127.0.0.1:50051], policy round_robin"
+    )
+    assert "simulated" not in text
+    sim = banner("http://127.0.0.1:8000", plan_agents(1, ["h100-llama3-8b"], 50051), ["m"], "round_robin")
+    assert sim.startswith("Switchyard is up: 1 simulated engine(s) [engine-0=h100-llama3-8b@")
+
+
+def test_tiny_model_rejects_a_bad_shape_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["tiny-model", "--out", str(tmp_path / "m"), "--hidden-size", "100", "--heads", "8"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("switchyard tiny-model: error: hidden size 100 is not divisible by 8 heads")
+    assert not (tmp_path / "m").exists()
