@@ -273,9 +273,7 @@ class VllmBackend:
             extra_args=extra,
         )
 
-    async def _admit(
-        self, request_id: RequestId, prompt: list[int], params: Any, priority: int
-    ) -> tuple[Any, _Stream | None]:
+    async def _admit(self, request_id: RequestId, prompt: list[int], params: Any, priority: int) -> Any:
         if self._llm is None:
             raise RuntimeError("backend is not started")
         if request_id in self._streams:
@@ -285,7 +283,7 @@ class VllmBackend:
         queue = await self._llm.add_request(
             str(request_id), {"prompt_token_ids": prompt}, params, priority=priority
         )
-        return queue, None
+        return queue
 
     def generate(self, request: BackendRequest) -> AsyncIterator[BackendEvent]:
         spec = request.sampling
@@ -330,7 +328,7 @@ class VllmBackend:
         self, request: BackendRequest, prompt: list[int], params: Any, ticket: MigrationTicket | None
     ) -> AsyncIterator[BackendEvent]:
         request_id = request.request_id
-        queue, _ = await self._admit(request_id, prompt, params, request.priority)
+        queue = await self._admit(request_id, prompt, params, request.priority)
         stream = _Stream(
             request_id=request_id, internal_id=queue.request_id, request=request, migrated_in=ticket
         )
@@ -478,7 +476,7 @@ class VllmBackend:
             stream.cut = None
             raise MigrationRefused(str(answer["error"]))
         ticket = await asyncio.wait_for(asyncio.shield(stream.cut), _CUT_TIMEOUT_S)
-        return _with_target(ticket, target)
+        return dataclasses.replace(ticket, target=target)
 
     def migration_stats(self, request_id: RequestId) -> MigrationStats | None:
         return self._migration_stats.get(request_id)
@@ -575,9 +573,3 @@ class VllmBackend:
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._busy.wait(), _IDLE_POLL_S)
-
-
-def _with_target(ticket: MigrationTicket, target: str) -> MigrationTicket:
-    from dataclasses import replace  # noqa: PLC0415
-
-    return replace(ticket, target=target)

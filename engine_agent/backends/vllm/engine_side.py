@@ -48,9 +48,14 @@ class _AgentSchedulerMixin:
     agent_lens: tuple[LatencyParams, float, PlanLimits] | None = None
     agent_plans = 0
 
-    def _agent_queue_view(self) -> QueueView:
+    def _agent_todo(self) -> tuple[list[int], list[int]]:
+        """Tokens each running request would compute now (>= 1) and each waiting one still needs, FCFS."""
         running = [max(r.num_tokens - r.num_computed_tokens, 1) for r in self.running]  # type: ignore[attr-defined]
         waiting = [max(r.num_tokens - r.num_computed_tokens, 0) for r in self.waiting]  # type: ignore[attr-defined]
+        return running, waiting
+
+    def _agent_queue_view(self) -> QueueView:
+        running, waiting = self._agent_todo()
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()  # type: ignore[attr-defined]
         return QueueView(np.asarray(running, dtype=np.int64), np.asarray(waiting, dtype=np.int64), int(free))
 
@@ -87,33 +92,19 @@ class _AgentSchedulerMixin:
                     ),
                 )
             )
-        running = list(self.running)  # type: ignore[attr-defined]
-        waiting = list(self.waiting)  # type: ignore[attr-defined]
+        running = self.running  # type: ignore[attr-defined]
         block_pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
         block_size = self.block_size  # type: ignore[attr-defined]
-        pending_prefill = 0
-        running_tokens = 0
-        run_todo: list[int] = []
-        wait_todo: list[int] = []
-        for req in running:
-            running_tokens += req.num_computed_tokens
-            run_todo.append(max(req.num_tokens - req.num_computed_tokens, 1))
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                pending_prefill += req.num_prompt_tokens - req.num_computed_tokens
-        reserved = 0
-        for req in waiting:
-            todo = max(req.num_tokens - req.num_computed_tokens, 0)
-            wait_todo.append(todo)
-            pending_prefill += todo
-            reserved += -(-todo // block_size)
+        run_todo, wait_todo = self._agent_todo()
+        prompt_left = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running)
         return {
-            "num_running": len(running),
-            "num_waiting": len(waiting),
+            "num_running": len(run_todo),
+            "num_waiting": len(wait_todo),
             "kv_blocks_free": int(block_pool.get_num_free_blocks()),
             "kv_blocks_total": int(block_pool.num_gpu_blocks) - 1,  # block 0 is vLLM's null block
-            "kv_blocks_reserved": reserved,
-            "pending_prefill_tokens": pending_prefill,
-            "running_batch_tokens": running_tokens,
+            "kv_blocks_reserved": sum(-(-t // block_size) for t in wait_todo),
+            "pending_prefill_tokens": prompt_left + sum(wait_todo),
+            "running_batch_tokens": sum(r.num_computed_tokens for r in running),
             "budget": self.agent_budget,
             "running_tokens": run_todo,
             "waiting_tokens": wait_todo,
