@@ -28,7 +28,7 @@ run: setup
 	$(BIN)/switchyard up
 
 proto: setup
-	$(BIN)/python -m engine_agent.proto_gen.regen
+	$(BIN)/python -m switchyard.proto_gen.regen
 
 lint: setup
 	$(BIN)/ruff check .

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_agent.backends.base import BackendRequest, RequestId, SamplingSpec
+from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.lens.controller import LensConfig, LensController
 from engine_agent.lens.perf_model import (
     LatencyModel,

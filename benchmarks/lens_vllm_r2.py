@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_agent.backends.base import BackendRequest, FinishEvent, RequestId, SamplingSpec
+from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
 from engine_agent.lens import LensController, PlanLimits
 from engine_agent.lens.perf_model import LatencyModel, predict_array, r2_score
 from switchyard.clock import MonotonicClock

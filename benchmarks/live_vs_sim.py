@@ -27,6 +27,7 @@ from typing import Any
 
 from engine_agent.sim.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
+from launcher.local_fleet import AgentSpec, LocalFleet, terminate
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.compare import AGREEMENT_KEYS, agreement
 from loadgen.datasets import Request, load_dataset
@@ -34,7 +35,6 @@ from loadgen.live import EngineTokenizer, LiveOptions, prepare_requests, run_liv
 from loadgen.metrics import summarize
 from loadgen.paths import resolve_data_dir
 from loadgen.simulate import EngineSpec, SimOptions, simulate
-from switchyard.local_fleet import AgentSpec, LocalFleet, terminate
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = "h100-llama3-8b"

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_agent.backends.base import BackendRequest, RequestId, SamplingSpec
+from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.perf_model import (
     BatchShape,

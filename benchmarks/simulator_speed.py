@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_agent.backends.base import BackendRequest, RequestId, SamplingSpec
+from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.profiles import get_profile
 from loadgen.arrivals import ArrivalSpec, schedule

@@ -17,7 +17,7 @@ equals an unmigrated run's, and a stop string straddling the cut still matches o
 
 from __future__ import annotations
 
-from engine_agent.backends.base import SamplingSpec
+from engine_agent.domain import SamplingSpec
 from engine_agent.tokenization import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 

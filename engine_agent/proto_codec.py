@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import uuid
 
-from engine_agent.backends.base import (
-    BackendRequest,
-    EngineStats,
-    MigrationTicket,
-    RequestId,
-    SamplingSpec,
-)
-from engine_agent.proto_gen import engine_agent_pb2 as pb
+from engine_agent.domain import BackendRequest, EngineStats, MigrationTicket, RequestId, SamplingSpec
 from engine_agent.tokenization import Tokenizer
+from switchyard.proto_gen import engine_agent_pb2 as pb
 
 # -- requests -----------------------------------------------------------------------------------------
 

@@ -21,12 +21,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine_agent.backends.base import EngineBackend
 from engine_agent.backends.sim import SimBackend
 from engine_agent.config import AgentConfig
-from engine_agent.proto_gen import engine_agent_pb2 as pb
-from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
 from engine_agent.service import AgentService
 from engine_agent.sim.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock, MonotonicClock
+from switchyard.proto_gen import engine_agent_pb2 as pb
+from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from engine_agent.backends.base import (
+from engine_agent.backends.base import EngineBackend
+from engine_agent.domain import (
     BackendEvent,
     BackendRequest,
-    EngineBackend,
     FinishEvent,
     MigratedEvent,
     MigrationRefused,
@@ -41,10 +41,10 @@ from engine_agent.proto_codec import (
     ticket_to_proto,
     to_backend_request,
 )
-from engine_agent.proto_gen import engine_agent_pb2 as pb
-from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock
+from switchyard.proto_gen import engine_agent_pb2 as pb
+from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

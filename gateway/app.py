@@ -21,11 +21,11 @@ from aiohttp import web
 
 from gateway.api.handlers import ApiHandlers, openai_error_middleware
 from gateway.api.openai_format import WallClock
-from gateway.cluster.snapshot import EngineId
 from gateway.cluster.store import ClusterStore
 from gateway.config import ConfigError, GatewayConfig, log_effective_config
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.policy_set import PolicySet
+from gateway.domain import EngineId
 from gateway.engines.base import EngineClient
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.engines.openai_upstream import OpenAIUpstreamClient

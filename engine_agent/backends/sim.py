@@ -39,7 +39,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine_agent.backends.base import (
+from engine_agent.backends.sim_changes import ChangeVersion
+from engine_agent.backends.sim_tap import HiddenStateTap
+from engine_agent.domain import (
     BackendEvent,
     BackendRequest,
     EngineStatic,
@@ -56,8 +58,6 @@ from engine_agent.backends.base import (
     Usage,
     request_from_ticket,
 )
-from engine_agent.backends.sim_changes import ChangeVersion
-from engine_agent.backends.sim_tap import HiddenStateTap
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.migration import MigrationCut

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import numpy.typing as npt
 
-from engine_agent.backends.base import HiddenStateBatch, HiddenStateSample, RequestId
+from engine_agent.domain import HiddenStateBatch, HiddenStateSample, RequestId
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
 

@@ -41,7 +41,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine_agent.backends.base import LensFigures
+from engine_agent.domain import LensFigures
 from engine_agent.lens.perf_model import FitOutcome, LatencyModel, LatencyModelConfig, predict_scalar
 from engine_agent.lens.planner import BatchPlan, PlanLimits, QueueView, allocate, plan_batch
 from engine_agent.lens.target import AdaptiveTarget, TargetConfig, TargetDecision

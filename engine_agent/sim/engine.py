@@ -35,7 +35,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from engine_agent.backends.base import (
+from engine_agent.domain import (
     BackendRequest,
     EngineStats,
     FinishEvent,

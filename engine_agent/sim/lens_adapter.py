@@ -31,7 +31,7 @@ import heapq
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from engine_agent.backends.base import LensFigures, RequestId
+from engine_agent.domain import LensFigures, RequestId
 from engine_agent.lens import LensConfig, LensController, PlanLimits, QueueView
 from engine_agent.sim.profiles import Profile
 from engine_agent.sim.sequence import WAITING, Seq

@@ -24,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine_agent.backends.base import BackendRequest, MigrationRefused, MigrationStats, RequestId
+from engine_agent.domain import BackendRequest, MigrationRefused, MigrationStats, RequestId
 from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, MigrationLoad, Seq
 
 if TYPE_CHECKING:
-    from engine_agent.backends.base import SamplingSpec
+    from engine_agent.domain import SamplingSpec
     from engine_agent.sim.profiles import Profile
 
 

@@ -9,7 +9,7 @@ Must not: schedule, time or decide anything (that is `engine_agent.sim.engine` a
 
 from __future__ import annotations
 
-from engine_agent.backends.base import RequestId
+from engine_agent.domain import RequestId
 
 # INCOMING: a migrated request waiting for its KV blocks or for its modelled transfer to finish.
 WAITING, RUNNING, DONE, INCOMING = 0, 1, 2, 3

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine_agent.backends.base import BackendRequest, MigrationRefused, MigrationTicket, RequestId
+from engine_agent.domain import BackendRequest, MigrationRefused, MigrationTicket, RequestId
 from engine_agent.sim.migration import MigrationCut
 
 TRANSFER_PARAMS_FORMAT = "switchyard-sim-migration/1"

@@ -37,7 +37,7 @@ from gateway.config import GatewayConfig
 from gateway.dispatch.dispatcher import ClientDisconnected, Dispatcher, NoEngineAvailable, RequestTimedOut
 from gateway.dispatch.features import RoutingHints
 from gateway.dispatch.policy_set import UnknownPolicy
-from gateway.engines.base import EngineRequestError, EngineStreamError
+from gateway.domain import EngineRequestError, EngineStreamError
 from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics
 from switchyard.clock import Clock
 

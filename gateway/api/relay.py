@@ -19,7 +19,7 @@ from gateway.api.errors import ApiError
 from gateway.api.openai_format import ResponseFormat, usage_object
 from gateway.api.sse import SseWriter
 from gateway.dispatch.dispatcher import ClientDisconnected
-from gateway.engines.base import Admitted, Delta, EngineEvent, Finished
+from gateway.domain import Admitted, Delta, EngineEvent, Finished
 
 
 class UsageTally:

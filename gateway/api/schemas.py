@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.api.errors import ApiError, bad_request
-from gateway.engines.base import ChatTurn, EngineRequest
+from gateway.domain import ChatTurn, EngineRequest
 
 _MAX_STOP = 4
 _MAX_TOKEN_ID = 2**32 - 1

@@ -28,8 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView
-from gateway.engines.base import EngineDescription, EngineReport
+from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, EngineView
 
 DEFAULT_BLOCK_SIZE = 16  # assumed until an engine describes itself
 DEFAULT_LATENCY_WINDOW_S = 2.0  # NexusSched §7.4's latency-based baseline averages the last 2 s

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId
 from gateway.cluster.state import ClusterState
-from gateway.engines.base import EngineClient, EngineDescription, EngineReport
+from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport
+from gateway.engines.base import EngineClient
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)

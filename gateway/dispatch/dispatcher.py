@@ -22,18 +22,19 @@ import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId
 from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
 from gateway.dispatch.policy_set import PolicySet
-from gateway.engines.base import (
+from gateway.domain import (
+    ClusterSnapshot,
     Delta,
-    EngineClient,
     EngineEvent,
+    EngineId,
     EngineRequest,
     EngineStreamError,
     EngineUnavailable,
     Finished,
 )
+from gateway.engines.base import EngineClient
 from gateway.observability.metrics import GatewayMetrics
 from switchyard.clock import Clock
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.cluster.snapshot import EngineId, RequestFeatures
-from gateway.engines.base import EngineRequest
+from gateway.domain import EngineId, EngineRequest, RequestFeatures
 
 BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4  # role header and separators of a typical chat template

@@ -2,7 +2,7 @@
 
 Owns: the grpc.aio channel to one agent (keepalive on, created lazily inside the running loop) and the
 translation between the gateway's engine types (`gateway.engines.base`) and the generated proto messages. This
-is the only gateway module that imports `engine_agent.proto_gen` (checked by tests/unit/test_import_rules.py).
+is the only gateway module that imports `switchyard.proto_gen` (checked by tests/unit/test_import_rules.py).
 Error mapping of `generate`: a failure before the first event is `EngineUnavailable` (safe to retry
 elsewhere), except INVALID_ARGUMENT, which is `EngineRequestError` (the API answers 400); a failure after the
 first event is `EngineStreamError`. Closing the generator early cancels the RPC, and the agent aborts the
@@ -19,14 +19,12 @@ from typing import Literal, cast
 import grpc
 import grpc.aio
 
-from engine_agent.proto_gen import engine_agent_pb2 as pb
-from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
-from gateway.cluster.snapshot import EngineId
-from gateway.engines.base import (
+from gateway.domain import (
     Admitted,
     Delta,
     EngineDescription,
     EngineEvent,
+    EngineId,
     EngineReport,
     EngineRequest,
     EngineRequestError,
@@ -34,6 +32,8 @@ from gateway.engines.base import (
     EngineUnavailable,
     Finished,
 )
+from switchyard.proto_gen import engine_agent_pb2 as pb
+from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 _FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort", "error"})

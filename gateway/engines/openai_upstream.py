@@ -28,12 +28,12 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cluster.snapshot import EngineId
-from gateway.engines.base import (
+from gateway.domain import (
     Admitted,
     Delta,
     EngineDescription,
     EngineEvent,
+    EngineId,
     EngineReport,
     EngineRequest,
     EngineRequestError,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Protocol
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 
 
 class Policy(Protocol):

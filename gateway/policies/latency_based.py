@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
 
 LatencyMetric = Literal["e2e", "ttft"]

@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
 from gateway.policies.static_weighted import gpu_class_weight
 

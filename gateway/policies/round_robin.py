@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, RequestFeatures
 from gateway.policies.base import eligible
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import Policy, eligible
 from gateway.policies.least_loaded import LeastLoadedPolicy
 

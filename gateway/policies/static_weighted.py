@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import ClassVar
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
 
 

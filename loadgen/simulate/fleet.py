@@ -17,7 +17,7 @@ from typing import Any
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.profiles import get_profile
-from gateway.cluster.snapshot import EngineId
+from gateway.domain import EngineId
 from loadgen.simulate.reports import ReportFeed, describe_engine
 from loadgen.simulate.spec import LENS_STATE_POLICIES, EngineSpec, SimOptions
 

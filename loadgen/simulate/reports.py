@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine_agent.backends.base import EngineStats
+from engine_agent.domain import EngineStats
 from engine_agent.sim.engine import IterationRecord, SimEngine
 from engine_agent.sim.profiles import Profile
-from gateway.cluster.snapshot import EngineId
-from gateway.engines.base import EngineDescription, EngineReport
+from gateway.domain import EngineDescription, EngineId, EngineReport
 
 SIM_BACKEND = "sim"
 

@@ -16,10 +16,10 @@ import random
 from collections.abc import Callable, Sequence
 from operator import sub
 
-from engine_agent.backends.base import BackendRequest, FinishEvent, RequestId, SamplingSpec
+from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
 from gateway.cluster.state import ClusterState
 from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
-from gateway.engines.base import ChatTurn, EngineRequest
+from gateway.domain import ChatTurn, EngineRequest
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome

@@ -21,9 +21,9 @@ import pytest
 from agent_process import PROFILE, REPO, Agent
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_agent.proto_gen import engine_agent_pb2 as pb
-from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
 from engine_agent.tokenization import Tokenizer
+from switchyard.proto_gen import engine_agent_pb2 as pb
+from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 

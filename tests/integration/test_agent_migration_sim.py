@@ -17,10 +17,10 @@ import grpc
 import pytest
 from agent_process import Agent
 
-from engine_agent.proto_gen import engine_agent_pb2 as pb
-from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
 from engine_agent.sim.hardware import MODELS
 from engine_agent.tokenization import Tokenizer
+from switchyard.proto_gen import engine_agent_pb2 as pb
+from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

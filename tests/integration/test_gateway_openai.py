@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 
 from gateway.app import METRICS_KEY, STORE_KEY, build_app, serve
 from gateway.config import GatewayConfig
-from switchyard.local_fleet import AgentSpec, LocalFleet
+from launcher.local_fleet import AgentSpec, LocalFleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 

@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 
 from engine_agent.tokenization import Tokenizer
+from launcher.local_fleet import AgentSpec, LocalFleet, terminate
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.compare import agreement
 from loadgen.datasets import load_dataset
 from loadgen.live import EngineTokenizer, LiveOptions, prepare_requests, run_live, wait_gateway_ready
 from loadgen.metrics import summarize
 from loadgen.simulate import EngineSpec, SimOptions, simulate
-from switchyard.local_fleet import AgentSpec, LocalFleet, terminate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

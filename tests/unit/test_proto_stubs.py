@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from engine_agent.proto_gen import regen
+from switchyard.proto_gen import regen
 
 
 def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
@@ -14,7 +14,7 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
 
 
 def test_stubs_import_and_describe_the_service() -> None:
-    from engine_agent.proto_gen import engine_agent_pb2, engine_agent_pb2_grpc
+    from switchyard.proto_gen import engine_agent_pb2, engine_agent_pb2_grpc
 
     service = engine_agent_pb2.DESCRIPTOR.services_by_name["EngineAgent"]
     assert {m.name for m in service.methods} >= {"Generate", "Abort", "WatchState", "GetInfo"}

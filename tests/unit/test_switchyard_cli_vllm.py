@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.cli import DEFAULT_ENGINES, banner, build_up_parser, check_up_args, main, up
-from switchyard.local_fleet import DEFAULT_START_TIMEOUT_S, AgentSpec, LocalFleet, plan_agents
+from launcher.cli import DEFAULT_ENGINES, banner, build_up_parser, check_up_args, main, up
+from launcher.local_fleet import DEFAULT_START_TIMEOUT_S, AgentSpec, LocalFleet, plan_agents
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from engine_agent.backends.base import (
+from engine_agent.config import VllmConfig
+from engine_agent.domain import (
     BackendRequest,
     FinishEvent,
     HiddenStateBatch,
@@ -19,7 +20,6 @@ from engine_agent.backends.base import (
     SamplingSpec,
     TokenEvent,
 )
-from engine_agent.config import VllmConfig
 from switchyard.clock import MonotonicClock
 
 pytestmark = [

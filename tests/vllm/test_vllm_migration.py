@@ -17,9 +17,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from engine_agent.proto_gen import engine_agent_pb2 as pb
-from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
-from switchyard.local_fleet import AgentSpec, LocalFleet
+from launcher.local_fleet import AgentSpec, LocalFleet
+from switchyard.proto_gen import engine_agent_pb2 as pb
+from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
 pytestmark = [
     pytest.mark.integration,

@@ -26,7 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_agent.backends.base import (
+from engine_agent.backends.vllm.platform import (
+    default_omp_bind,
+    device_name,
+    dtype_bytes,
+    engine_args,
+    is_cpu_platform,
+)
+from engine_agent.backends.vllm.state import IterationSample, VllmEngineState, make_stat_logger
+from engine_agent.backends.vllm.tap import TapFanout
+from engine_agent.config import VllmConfig
+from engine_agent.domain import (
     BackendEvent,
     BackendRequest,
     EngineStatic,
@@ -44,16 +54,6 @@ from engine_agent.backends.base import (
     TokenEvent,
     Usage,
 )
-from engine_agent.backends.vllm.platform import (
-    default_omp_bind,
-    device_name,
-    dtype_bytes,
-    engine_args,
-    is_cpu_platform,
-)
-from engine_agent.backends.vllm.state import IterationSample, VllmEngineState, make_stat_logger
-from engine_agent.backends.vllm.tap import TapFanout
-from engine_agent.config import VllmConfig
 from engine_agent.lens import FitOutcome, LensConfig, LensController, PlanLimits, QueueView
 from switchyard.clock import Clock
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_agent.backends.base import EngineStats, LensFigures
 from engine_agent.backends.changes import VersionSignal
+from engine_agent.domain import EngineStats, LensFigures
 from switchyard.clock import Clock
 
 _ITERATIONS_KEPT = 4096

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_agent.backends.base import HiddenStateBatch, HiddenStateSample, RequestId
+from engine_agent.domain import HiddenStateBatch, HiddenStateSample, RequestId
 
 _QUEUE = 64
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine_agent.backends.base import BackendRequest, FinishEvent, RequestId, SamplingSpec, Timings, Usage
+from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec, Timings, Usage
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.perf_model import BatchShape, PerfCoefficients, batch_time_s
 from engine_agent.sim.profiles import Profile, get_profile

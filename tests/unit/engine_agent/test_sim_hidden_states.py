@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from engine_agent.backends.base import BackendRequest, HiddenStateBatch, RequestId, SamplingSpec
 from engine_agent.backends.sim import SimBackend
+from engine_agent.domain import BackendRequest, HiddenStateBatch, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.hidden_states import HiddenStateNoise, SyntheticHiddenStates
 from engine_agent.sim.profiles import get_profile

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_agent.backends.base import BackendRequest, RequestId, SamplingSpec
+from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.lens import LensConfig, LensController, PlanLimits
 from engine_agent.lens.perf_model import SATURATED_K, LatencyModel, LatencyParams
 from engine_agent.sim.engine import SimEngine

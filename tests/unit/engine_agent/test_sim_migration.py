@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from engine_agent.backends.base import (
+from engine_agent.backends.sim import SimBackend
+from engine_agent.domain import (
     BackendRequest,
     FinishEvent,
     MigratedEvent,
@@ -22,7 +23,6 @@ from engine_agent.backends.base import (
     TokenEvent,
     Usage,
 )
-from engine_agent.backends.sim import SimBackend
 from engine_agent.output_text import OutputText
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.migration import MigrationCut

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine_agent.tiny_model import TinyModelError, build_tiny_model  # noqa: E402
-from switchyard.cli import main  # noqa: E402
+from launcher.cli import main  # noqa: E402
 
 HIDDEN = 64
 MAX_POSITION = 512

@@ -17,13 +17,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import STORE_KEY, build_app
-from gateway.cluster.snapshot import EngineId
 from gateway.config import GatewayConfig
-from gateway.engines.base import (
+from gateway.domain import (
     Admitted,
     Delta,
     EngineDescription,
     EngineEvent,
+    EngineId,
     EngineReport,
     EngineRequest,
     Finished,

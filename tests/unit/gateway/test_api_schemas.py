@@ -11,7 +11,7 @@ import pytest
 from gateway.api.errors import ApiError
 from gateway.api.schemas import ChatCompletionRequest, engine_requests, parse_chat, parse_completion
 from gateway.dispatch.features import estimate_prompt_tokens
-from gateway.engines.base import ChatTurn
+from gateway.domain import ChatTurn
 
 MSGS = [{"role": "user", "content": "hi"}]
 

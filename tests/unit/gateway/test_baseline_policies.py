@@ -11,9 +11,15 @@ from builders import engine, features, snapshot
 from fake_engines import FakeEngine, ok_script, script, serving
 
 from gateway.app import STORE_KEY
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, RequestFeatures
 from gateway.cluster.state import ClusterState
-from gateway.engines.base import EngineDescription, EngineReport, EngineUnavailable
+from gateway.domain import (
+    ClusterSnapshot,
+    EngineDescription,
+    EngineId,
+    EngineReport,
+    EngineUnavailable,
+    RequestFeatures,
+)
 from gateway.policies.latency_based import LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedPolicy
 from gateway.policies.registry import make_policy

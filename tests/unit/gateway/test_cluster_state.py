@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from gateway.cluster.snapshot import EngineId
 from gateway.cluster.state import ClusterState
-from gateway.engines.base import EngineDescription, EngineReport
+from gateway.domain import EngineDescription, EngineId, EngineReport
 
 A, B = EngineId("a"), EngineId("b")
 STATE_PY = Path(__file__).resolve().parents[3] / "gateway" / "cluster" / "state.py"

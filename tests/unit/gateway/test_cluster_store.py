@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.cluster.snapshot import EngineId
 from gateway.cluster.store import Backoff, ClusterStore
-from gateway.engines.base import (
+from gateway.domain import (
     EngineDescription,
     EngineEvent,
+    EngineId,
     EngineReport,
     EngineRequest,
     EngineUnavailable,

@@ -9,9 +9,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from engine_agent.proto_gen import engine_agent_pb2 as pb
-from engine_agent.proto_gen import engine_agent_pb2_grpc as pb_grpc
-from gateway.engines.base import (
+from gateway.domain import (
     Admitted,
     ChatTurn,
     Delta,
@@ -22,6 +20,8 @@ from gateway.engines.base import (
     Finished,
 )
 from gateway.engines.grpc_client import GrpcEngineClient, to_generate_request
+from switchyard.proto_gen import engine_agent_pb2 as pb
+from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
 IDENTITY = pb.EngineIdentity(engine_id="e0", model="m", backend="sim", profile="p", role="")
 

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.engines.base import (
+from gateway.domain import (
     Admitted,
     ChatTurn,
     Delta,

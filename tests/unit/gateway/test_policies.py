@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from builders import engine, features, snapshot
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, RequestFeatures
 from gateway.policies.base import Policy
 from gateway.policies.latency_based import LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedPolicy

@@ -10,7 +10,7 @@ import pytest
 from builders import engine, features, snapshot
 from fake_engines import FakeEngine, ok_script, serving
 
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.prism import (
     CAPACITY_EPSILON,
     PrismParams,

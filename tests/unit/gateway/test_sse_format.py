@@ -16,14 +16,7 @@ import pytest
 from fake_engines import CREATED, MODEL, FakeEngine, ok_script, script, serving
 
 from gateway.app import HANDLERS_KEY, METRICS_KEY, STORE_KEY
-from gateway.engines.base import (
-    Admitted,
-    Delta,
-    EngineRequestError,
-    EngineStreamError,
-    EngineUnavailable,
-    Finished,
-)
+from gateway.domain import Admitted, Delta, EngineRequestError, EngineStreamError, EngineUnavailable, Finished
 
 SLOW_CALLBACK_S = 0.25
 DONE = b"data: [DONE]\n\n"

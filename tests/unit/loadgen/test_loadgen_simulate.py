@@ -9,16 +9,14 @@ from typing import Any
 
 import pytest
 
-from engine_agent.backends.base import BackendRequest, FinishEvent, RequestId, SamplingSpec, TokenEvent
 from engine_agent.backends.sim import SimBackend
-from engine_agent.proto_gen import engine_agent_pb2 as pb
+from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec, TokenEvent
 from engine_agent.service import AgentService
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
-from gateway.cluster.snapshot import ClusterSnapshot, EngineId, RequestFeatures
 from gateway.cluster.state import ClusterState
-from gateway.engines.base import EngineDescription, EngineReport
+from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, RequestFeatures
 from gateway.engines.grpc_client import from_engine_state
 from gateway.policies.base import Policy
 from loadgen.datasets import Request
@@ -26,6 +24,7 @@ from loadgen.simulate import EngineSpec, SimOptions, parse_engines, simulate
 from loadgen.simulate import runner as runner_module
 from loadgen.simulate.reports import ChangeGate, ReportFeed, describe_engine, report_from_stats
 from switchyard.clock import ManualClock, MonotonicClock
+from switchyard.proto_gen import engine_agent_pb2 as pb
 
 H100 = "h100-llama3-8b"
 A6000 = "a6000-llama3-8b"

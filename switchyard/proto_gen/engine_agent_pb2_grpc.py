@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from engine_agent.proto_gen import engine_agent_pb2 as engine__agent_dot_proto__gen_dot_engine__agent__pb2
+from switchyard.proto_gen import engine_agent_pb2 as switchyard_dot_proto__gen_dot_engine__agent__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in engine_agent/proto_gen/engine_agent_pb2_grpc.py depends on'
+        + ' but the generated code in switchyard/proto_gen/engine_agent_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class EngineAgentStub:
         """
         self.Generate = channel.unary_stream(
                 '/switchyard.engine.v1.EngineAgent/Generate',
-                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
+                request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/switchyard.engine.v1.EngineAgent/Abort',
-                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.AbortRequest.SerializeToString,
-                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.AbortResponse.FromString,
+                request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.AbortRequest.SerializeToString,
+                response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.WatchState = channel.unary_stream(
                 '/switchyard.engine.v1.EngineAgent/WatchState',
-                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.WatchStateRequest.SerializeToString,
-                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineState.FromString,
+                request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.EngineState.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/switchyard.engine.v1.EngineAgent/GetInfo',
-                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.SerializeToString,
-                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.FromString,
+                request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.FromString,
                 _registered_method=True)
         self.MigrateOut = channel.unary_unary(
                 '/switchyard.engine.v1.EngineAgent/MigrateOut',
-                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.SerializeToString,
-                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.FromString,
+                request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.FromString,
                 _registered_method=True)
         self.MigrateIn = channel.unary_stream(
                 '/switchyard.engine.v1.EngineAgent/MigrateIn',
-                request_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.SerializeToString,
-                response_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
+                request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.SerializeToString,
+                response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
                 _registered_method=True)
 
 
@@ -119,33 +119,33 @@ def add_EngineAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.FromString,
-                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.SerializeToString,
+                    request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.FromString,
+                    response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.AbortRequest.FromString,
-                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.AbortRequest.FromString,
+                    response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.AbortResponse.SerializeToString,
             ),
             'WatchState': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchState,
-                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.WatchStateRequest.FromString,
-                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineState.SerializeToString,
+                    request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.WatchStateRequest.FromString,
+                    response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.EngineState.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.FromString,
-                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.SerializeToString,
+                    request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.FromString,
+                    response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.SerializeToString,
             ),
             'MigrateOut': grpc.unary_unary_rpc_method_handler(
                     servicer.MigrateOut,
-                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.FromString,
-                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.SerializeToString,
+                    request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.FromString,
+                    response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.SerializeToString,
             ),
             'MigrateIn': grpc.unary_stream_rpc_method_handler(
                     servicer.MigrateIn,
-                    request_deserializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.FromString,
-                    response_serializer=engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.SerializeToString,
+                    request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.FromString,
+                    response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,8 +173,8 @@ class EngineAgent:
             request,
             target,
             '/switchyard.engine.v1.EngineAgent/Generate',
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.SerializeToString,
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.SerializeToString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -200,8 +200,8 @@ class EngineAgent:
             request,
             target,
             '/switchyard.engine.v1.EngineAgent/Abort',
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.AbortRequest.SerializeToString,
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.AbortResponse.FromString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.AbortRequest.SerializeToString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,8 +227,8 @@ class EngineAgent:
             request,
             target,
             '/switchyard.engine.v1.EngineAgent/WatchState',
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.WatchStateRequest.SerializeToString,
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineState.FromString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.WatchStateRequest.SerializeToString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.EngineState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -254,8 +254,8 @@ class EngineAgent:
             request,
             target,
             '/switchyard.engine.v1.EngineAgent/GetInfo',
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.SerializeToString,
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.FromString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.GetInfoRequest.SerializeToString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.EngineInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,8 +281,8 @@ class EngineAgent:
             request,
             target,
             '/switchyard.engine.v1.EngineAgent/MigrateOut',
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.SerializeToString,
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.FromString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrateOutRequest.SerializeToString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrationTicket.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class EngineAgent:
             request,
             target,
             '/switchyard.engine.v1.EngineAgent/MigrateIn',
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.SerializeToString,
-            engine__agent_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.MigrateInRequest.SerializeToString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

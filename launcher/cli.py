@@ -34,7 +34,7 @@ from gateway.__main__ import main as gateway_main
 from gateway.app import serve
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig
 from gateway.engines.grpc_client import GrpcEngineClient
-from switchyard.local_fleet import (
+from launcher.local_fleet import (
     BACKENDS,
     DEFAULT_START_TIMEOUT_S,
     AgentSpec,

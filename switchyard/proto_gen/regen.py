@@ -1,7 +1,7 @@
 """Regenerate the committed stubs from `proto/engine_agent.proto` (`make proto`).
 
-The proto path is mapped onto the package (`engine_agent/proto_gen=proto`) so the generated modules import each
-other as `engine_agent.proto_gen.*` and need no path hacks. `generate(out_root)` is also what the staleness test
+The proto path is mapped onto the package (`switchyard/proto_gen=proto`) so the generated modules import each
+other as `switchyard.proto_gen.*` and need no path hacks. `generate(out_root)` is also what the staleness test
 calls, into a temporary directory, to compare byte for byte with the committed files.
 """
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO / "proto"
-PACKAGE_DIR = Path("engine_agent") / "proto_gen"
+PACKAGE_DIR = Path("switchyard") / "proto_gen"
 GENERATED = ("engine_agent_pb2.py", "engine_agent_pb2.pyi", "engine_agent_pb2_grpc.py")
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Run protoc into `out_root`; returns the generated files (under out_root/engine_agent/proto_gen)."""
+    """Run protoc into `out_root`; returns the generated files (under out_root/switchyard/proto_gen)."""
     from grpc_tools import protoc  # test/dev dependency only
 
     (out_root / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)
