@@ -35,7 +35,12 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     parser.add_argument("--host", default=defaults.host)
     parser.add_argument("--port", type=int, default=defaults.port, help="0 = any free port")
     parser.add_argument("--engine-id", default=None, help="default: <backend>-<port>")
-    parser.add_argument("--state-interval-ms", type=int, default=defaults.state_interval_ms)
+    parser.add_argument(
+        "--state-interval-ms",
+        type=int,
+        default=round(defaults.state_interval_s * 1000),
+        help="WatchState push interval when the watcher asks for none",
+    )
     parser.add_argument("--drain-grace-s", type=float, default=defaults.drain_grace_s)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--role", default=defaults.role, help='e.g. "prefill", "decode", "cascade-small"')
@@ -53,7 +58,7 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     parser.add_argument(
         "--hidden-state-interval",
         type=int,
-        default=defaults.hidden_state_interval,
+        default=defaults.hidden_state_interval or 0,
         help="decode steps between hidden-state taps (0 = off)",
     )
     parser.add_argument(
@@ -100,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             nixl_side_channel_host=args.nixl_host,
             nixl_side_channel_port=args.nixl_port,
         ),
-        hidden_state_interval=args.hidden_state_interval,
+        hidden_state_interval=args.hidden_state_interval or None,  # the flag's 0 = off
         lens_planning=args.lens,
         sim_kv_transfer_gbps=args.sim_kv_transfer_gbps,
         sim_kv_transfer_latency_s=args.sim_kv_transfer_latency_s,
@@ -109,7 +114,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         engine_id=args.engine_id or f"{args.backend}-{args.port}",
         backend=args.backend,
         profile=args.profile,
-        state_interval_ms=args.state_interval_ms,
+        state_interval_s=args.state_interval_ms / 1000.0,
         drain_grace_s=args.drain_grace_s,
         seed=args.seed,
         role=args.role,

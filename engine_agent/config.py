@@ -1,6 +1,7 @@
 """The engine agent's configuration: one typed, frozen tree (pydantic v2), unknown keys rejected.
 
-Owns: the fields an agent process starts from and their defaults and bounds.
+Owns: the fields an agent process starts from and their defaults and bounds. Times are seconds and "off" is
+None here; the command line's milliseconds and 0s are translated by `engine_agent.__main__`.
 Must not: read the environment or files, look profiles up (the CLI does, to list the known ones), or rewrite
 values.
 
@@ -52,7 +53,7 @@ class AgentConfig(BaseModel):
     engine_id: str = Field(default="sim-0", min_length=1)
     backend: Literal["sim", "vllm"] = "sim"
     profile: str = Field(default="h100-llama3-8b", min_length=1)
-    state_interval_ms: int = Field(default=50, ge=1, le=60_000)
+    state_interval_s: float = Field(default=0.05, ge=0.001, le=60.0)  # WatchState's push interval
     drain_grace_s: float = Field(default=30.0, ge=0.0)
     seed: int = 0
     role: str = ""  # "" (generic), "prefill", "decode", "stage-0", "cascade-small", ...
@@ -63,8 +64,8 @@ class AgentConfig(BaseModel):
     # LENS (NexusSched §4): the latency model and the state vector always run; this turns on Algorithm 1's
     # per-iteration token budget (off = the backend's static budget, the ablation baseline).
     lens_planning: bool = False
-    # Hidden-state tap (STAR §5.3): every this many decode steps; 0 = off.
-    hidden_state_interval: int = Field(default=20, ge=0)
+    # Hidden-state tap (STAR §5.3): every this many decode steps; None = off.
+    hidden_state_interval: int | None = Field(default=20, ge=1)
     # Sim backend: modelled KV transfer for migration (bytes / bandwidth + a fixed latency).
     sim_kv_transfer_gbps: float = Field(default=25.0, gt=0.0)  # GB/s, e.g. one 200 Gb/s NIC
     sim_kv_transfer_latency_s: float = Field(default=0.002, ge=0.0)

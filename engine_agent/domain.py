@@ -39,8 +39,8 @@ class BackendRequest:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     priority: int = 0
-    # Trace replay: the exact output length to produce (the sim backend honours it; 0 = not given).
-    target_output_tokens: int = 0
+    # Trace replay: the exact output length to produce (>= 1; the sim backend honours it; None = not given).
+    target_output_tokens: int | None = None
     session_id: str = ""
 
 
@@ -96,9 +96,9 @@ class MigrationTicket:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     priority: int = 0
-    target_output_tokens: int = 0
+    target_output_tokens: int | None = None
     session_id: str = ""
-    cut_timestamp_s: float = 0.0  # source engine clock when the source emitted its last token
+    cut_timestamp_s: float | None = None  # source engine clock when the source emitted its last token
 
 
 def request_from_ticket(ticket: MigrationTicket, request_id: RequestId) -> BackendRequest:
@@ -129,7 +129,7 @@ class MigrationStats:
     kv_tokens_loaded: int  # tokens whose KV came over the transfer (not recomputed)
     kv_tokens_recomputed: int
     kv_bytes_transferred: int
-    transfer_s: float
+    transfer_s: float | None  # source's cut to the first token here; None: the ticket had no cut time
 
 
 class MigrationRefused(ValueError):
@@ -175,7 +175,7 @@ class EngineStatic:
     hourly_price_usd: float = 0.0
     tensor_parallel: int = 1
     hidden_size: int = 0  # width of the hidden-state tap's vectors
-    hidden_state_interval: int = 0  # the tap fires every this many decode steps; 0 = off
+    hidden_state_interval: int | None = None  # the tap fires every this many decode steps; None = off
 
 
 @dataclass(frozen=True, slots=True)

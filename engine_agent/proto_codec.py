@@ -2,7 +2,9 @@
 
 Owns: a `GenerateRequest` into a `BackendRequest` (tokenizing the prompt: ids, text or chat template, and
 validating it and the output budget against the context limit: `ValueError` with the client-facing message),
-the stream's `delta` / `finished` events, the `EngineState` pushed by WatchState, and the wire ticket
+the stream's `delta` / `finished` events, the `EngineState` pushed by WatchState, GetInfo's `EngineInfo`,
+the wire's "0 = not given" fields into None and back (target output tokens, SLOs, the WatchState interval,
+the hidden-state interval, the ticket's cut time) and milliseconds into seconds, and the wire ticket
 (`ticket_to_proto`: the domain ticket plus the original request, no prompt; `ticket_from_proto`:
 `ValueError` when it cannot describe a resumable request).
 Must not: hold state, call the backend, stream, detokenize or match stop strings (that is
@@ -13,7 +15,14 @@ from __future__ import annotations
 
 import uuid
 
-from engine_agent.domain import BackendRequest, EngineStats, MigrationTicket, RequestId, SamplingSpec
+from engine_agent.domain import (
+    BackendRequest,
+    EngineStatic,
+    EngineStats,
+    MigrationTicket,
+    RequestId,
+    SamplingSpec,
+)
 from engine_agent.tokenization import Tokenizer
 from switchyard.proto_gen import engine_agent_pb2 as pb
 
@@ -66,11 +75,9 @@ def to_backend_request(
         )
     if sampling.min_tokens > max_tokens:
         raise ValueError(f"min_tokens ({sampling.min_tokens}) is greater than max_tokens ({max_tokens})")
-    if request.target_output_tokens > max_tokens:
-        raise ValueError(
-            f"target_output_tokens ({request.target_output_tokens}) is greater than "
-            f"max_tokens ({max_tokens})"
-        )
+    target = _target_output_tokens(request)
+    if target is not None and target > max_tokens:
+        raise ValueError(f"target_output_tokens ({target}) is greater than max_tokens ({max_tokens})")
     slo = request.slo
     return BackendRequest(
         request_id=RequestId(request.request_id or f"agent-{uuid.uuid4().hex}"),
@@ -79,10 +86,14 @@ def to_backend_request(
         slo_ttft_s=_slo_s(slo.ttft_ms),
         slo_tpot_s=_slo_s(slo.tpot_ms),
         priority=request.priority,
-        target_output_tokens=request.target_output_tokens,
+        target_output_tokens=target,
         session_id=request.session_id,
     )
 
+
+def _target_output_tokens(request: pb.GenerateRequest) -> int | None:
+    """The wire's 0 means "not given"."""
+    return request.target_output_tokens or None
 
 
 def _sampling_spec(sampling: pb.SamplingParams, max_tokens: int) -> SamplingSpec:
@@ -99,6 +110,11 @@ def _sampling_spec(sampling: pb.SamplingParams, max_tokens: int) -> SamplingSpec
 
 def _slo_s(milliseconds: float) -> float | None:
     return milliseconds / 1000.0 if milliseconds > 0 else None
+
+
+def watch_interval_s(request: pb.WatchStateRequest) -> float | None:
+    """The push interval a WatchState caller asked for; None (the wire's 0): the agent's configured one."""
+    return request.interval_ms / 1000.0 if request.interval_ms else None
 
 
 # -- events and state ---------------------------------------------------------------------------------
@@ -163,6 +179,27 @@ def engine_state(
     )
 
 
+def engine_info(
+    static: EngineStatic, *, identity: pb.EngineIdentity, tokenizer: str, eos_token_id: int
+) -> pb.EngineInfo:
+    """GetInfo's answer: the backend's static facts (a tap that is off is the wire's interval 0)."""
+    return pb.EngineInfo(
+        identity=identity,
+        max_context_tokens=static.max_context_tokens,
+        block_size=static.block_size,
+        tokenizer=tokenizer,
+        max_num_seqs=static.max_num_seqs,
+        max_batched_tokens=static.max_batched_tokens,
+        gpu_memory_gb=static.gpu_memory_gb,
+        hourly_price_usd=static.hourly_price_usd,
+        tensor_parallel=static.tensor_parallel,
+        gpu=static.gpu,
+        eos_token_id=eos_token_id,
+        hidden_size=static.hidden_size,
+        hidden_state_interval=static.hidden_state_interval or 0,
+    )
+
+
 # -- migration tickets --------------------------------------------------------------------------------
 
 
@@ -185,7 +222,7 @@ def ticket_to_proto(ticket: MigrationTicket, request: pb.GenerateRequest) -> pb.
         kv_tokens=ticket.kv_tokens,
         kv_bytes=ticket.kv_bytes,
         transfer_params=ticket.transfer_params,
-        cut_timestamp_s=ticket.cut_timestamp_s,
+        cut_timestamp_s=ticket.cut_timestamp_s or 0.0,
     )
 
 
@@ -217,7 +254,7 @@ def ticket_from_proto(ticket: pb.MigrationTicket) -> MigrationTicket:
         slo_ttft_s=_slo_s(request.slo.ttft_ms),
         slo_tpot_s=_slo_s(request.slo.tpot_ms),
         priority=request.priority,
-        target_output_tokens=request.target_output_tokens,
+        target_output_tokens=_target_output_tokens(request),
         session_id=request.session_id,
-        cut_timestamp_s=ticket.cut_timestamp_s,
+        cut_timestamp_s=ticket.cut_timestamp_s or None,  # the wire's 0: not given
     )

@@ -1,9 +1,10 @@
 """The engine agent's composition root: build the backend and gRPC server from an `AgentConfig`, serve, drain.
 
-Owns: wiring (tokenizer, backend, servicer, grpc.health.v1), binding (with a clear error when the port is
-taken), the health status (NOT_SERVING until the backend runs and again while draining), and the shutdown
-order: on SIGTERM/SIGINT stop accepting Generate, let in-flight streams finish within the grace, stop the
-server, stop the backend.
+Owns: wiring (tokenizer, backend, servicer, grpc.health.v1), deciding the backend's optional capabilities
+once (`backend_capabilities`: what it implements less what the configuration switched off, e.g.
+`--no-migration`), binding (with a clear error when the port is taken), the health status (NOT_SERVING until
+the backend runs and again while draining), and the shutdown order: on SIGTERM/SIGINT stop accepting
+Generate, let in-flight streams finish within the grace, stop the server, stop the backend.
 Must not: parse command lines or install an event loop policy (that is `engine_agent.__main__`), or translate
 protobuf (that is `engine_agent.service`).
 
@@ -18,7 +19,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine_agent.backends.base import EngineBackend
+from engine_agent.backends.base import MIGRATION, Capabilities, EngineBackend
 from engine_agent.backends.sim import SimBackend
 from engine_agent.config import AgentConfig
 from engine_agent.service import AgentService
@@ -100,13 +101,29 @@ def build_backend(config: AgentConfig, tokenizer: Tokenizer, clock: Clock) -> En
     )
 
 
+def backend_capabilities(config: AgentConfig, backend: EngineBackend) -> Capabilities:
+    """The backend's optional capabilities, less those the configuration switched off."""
+    switched_off: dict[str, str] = {}
+    if config.backend == "vllm" and not config.vllm.enable_migration:
+        switched_off[MIGRATION] = "--no-migration"
+    return Capabilities.of(backend, switched_off=switched_off)
+
+
 async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asyncio.Event | None = None) -> int:
     """Run an agent until SIGTERM/SIGINT (or `stop` is set); returns the exit status (0 after a drain)."""
     clock = clock or MonotonicClock()
     log.info("engine agent config: %s", config.model_dump_json())
     tokenizer = load_tokenizer(config)
     backend = build_backend(config, tokenizer, clock)
-    service = AgentService(backend, tokenizer, clock=clock, state_interval_ms=config.state_interval_ms)
+    capabilities = backend_capabilities(config, backend)
+    log.info(
+        "backend capabilities: %s; switched off: %s",
+        ", ".join(capabilities.names) or "none",
+        ", ".join(f"{name} ({why})" for name, why in capabilities.switched_off.items()) or "none",
+    )
+    service = AgentService(
+        backend, tokenizer, clock=clock, state_interval_s=config.state_interval_s, capabilities=capabilities
+    )
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -5,7 +5,8 @@ Owns: the RPC flow: Generate (validate, admit, stream), streaming deltas with th
 hand-over at a migration) and ending the stream at a stop string, usage counted from what was streamed, the
 WatchState push (interval and prompt on change, `seq` increasing across the process), GetInfo, Abort,
 MigrateOut / MigrateIn (the original request of each in-flight stream for the ticket, waiting for the source
-stream to end at the cut), and refusing new Generate / MigrateIn calls while draining.
+stream to end at the cut; UNIMPLEMENTED, naming the capability, when the backend's `Capabilities` lack
+migration), and refusing new Generate / MigrateIn calls while draining.
 Must not: schedule, batch or time tokens (the backend does), translate between proto and domain types itself
 (`engine_agent.proto_codec` does: requests, events, state, tickets), own the server, health or signals
 (`engine_agent.server` does), or read time other than through the injected `Clock`.
@@ -21,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from engine_agent.backends.base import EngineBackend
+from engine_agent.backends.base import MIGRATION, Capabilities, EngineBackend, Migrator
 from engine_agent.domain import (
     BackendEvent,
     BackendRequest,
@@ -35,11 +36,13 @@ from engine_agent.domain import (
 from engine_agent.output_text import OutputText
 from engine_agent.proto_codec import (
     delta_event,
+    engine_info,
     engine_state,
     finished_event,
     ticket_from_proto,
     ticket_to_proto,
     to_backend_request,
+    watch_interval_s,
 )
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock
@@ -76,15 +79,28 @@ class _InFlight:
 
 
 class AgentService(pb_grpc.EngineAgentServicer):
-    """Serves one backend; `start_draining` refuses new Generate calls, `wait_idle` awaits in-flight ones."""
+    """Serves one backend; `start_draining` refuses new Generate calls, `wait_idle` awaits in-flight ones.
+
+    `capabilities`: the backend's optional capabilities as the server decided them at start-up (default:
+    whatever the backend implements).
+    """
 
     def __init__(
-        self, backend: EngineBackend, tokenizer: Tokenizer, *, clock: Clock, state_interval_ms: int
+        self,
+        backend: EngineBackend,
+        tokenizer: Tokenizer,
+        *,
+        clock: Clock,
+        state_interval_s: float,
+        capabilities: Capabilities | None = None,
     ) -> None:
+        if state_interval_s <= 0:
+            raise ValueError(f"state_interval_s must be > 0, got {state_interval_s}")
         self._backend = backend
+        self._capabilities = capabilities if capabilities is not None else Capabilities.of(backend)
         self._tokenizer = tokenizer
         self._clock = clock
-        self._state_interval_s = state_interval_ms / 1000.0
+        self._state_interval_s = state_interval_s
         self._seq = itertools.count(1)
         self._draining = False
         self._in_flight = 0
@@ -146,12 +162,13 @@ class AgentService(pb_grpc.EngineAgentServicer):
     async def MigrateOut(  # noqa: N802 - gRPC method name
         self, request: pb.MigrateOutRequest, context: grpc.aio.ServicerContext
     ) -> pb.MigrationTicket:
+        migrator = await self._migrator(context)
         rid = RequestId(request.request_id)
         record = self._requests.get(rid)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not running on this engine")
         try:
-            ticket = await self._backend.migrate_out(rid, request.target)
+            ticket = await migrator.migrate_out(rid, request.target)
         except MigrationRefused as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         outcome = "migrated"
@@ -168,6 +185,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
     async def MigrateIn(  # noqa: N802 - gRPC method name
         self, request: pb.MigrateInRequest, context: grpc.aio.ServicerContext
     ) -> None:
+        migrator = await self._migrator(context)
         if self._draining:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "engine agent is draining; resume the request elsewhere"
@@ -180,7 +198,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
         if rid in self._requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already running")
         try:
-            events = self._backend.migrate_in(ticket, rid)
+            events = migrator.migrate_in(ticket, rid)
         except MigrationRefused as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         original = pb.GenerateRequest()
@@ -189,6 +207,14 @@ class AgentService(pb_grpc.EngineAgentServicer):
         backend_request = request_from_ticket(ticket, rid)
         record = _InFlight(original)
         await self._serve(context, record, original, backend_request, events, ticket.output_token_ids)
+
+    async def _migrator(self, context: grpc.aio.ServicerContext) -> Migrator:
+        """The backend's migration capability, or the call ends UNIMPLEMENTED saying why it is absent."""
+        migrator = self._capabilities.migrator
+        if migrator is not None:
+            return migrator
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, self._capabilities.missing(MIGRATION))
+        raise AssertionError("unreachable: context.abort raises")
 
     async def _serve(
         self,
@@ -226,7 +252,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
     async def WatchState(  # noqa: N802 - gRPC method name
         self, request: pb.WatchStateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EngineState]:
-        interval_s = request.interval_ms / 1000.0 if request.interval_ms else self._state_interval_s
+        interval_s = watch_interval_s(request) or self._state_interval_s
         backend = self._backend
         version = await backend.wait_for_change(-1, 0.0)
         while True:
@@ -243,21 +269,11 @@ class AgentService(pb_grpc.EngineAgentServicer):
     async def GetInfo(  # noqa: N802 - gRPC method name
         self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineInfo:
-        static = self._backend.static
-        return pb.EngineInfo(
+        return engine_info(
+            self._backend.static,
             identity=self._identity,
-            max_context_tokens=static.max_context_tokens,
-            block_size=static.block_size,
             tokenizer=self._tokenizer.identity,
-            max_num_seqs=static.max_num_seqs,
-            max_batched_tokens=static.max_batched_tokens,
-            gpu_memory_gb=static.gpu_memory_gb,
-            hourly_price_usd=static.hourly_price_usd,
-            tensor_parallel=static.tensor_parallel,
-            gpu=static.gpu,
             eos_token_id=self._backend.eos_token_id,
-            hidden_size=static.hidden_size,
-            hidden_state_interval=static.hidden_state_interval,
         )
 
     # -- streaming -------------------------------------------------------------------------------

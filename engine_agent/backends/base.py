@@ -1,14 +1,22 @@
-"""The `EngineBackend` protocol: what the agent's service asks of a GPU engine.
+"""The `EngineBackend` protocol and the optional capabilities a backend may add: what the agent asks of it.
 
-Owns: the protocol. The request, event and state types it speaks live in `engine_agent.domain`.
+Owns: the core protocol every backend implements (`EngineBackend`), the optional capability protocols
+(`Migrator`: moving running requests between engines; `HiddenStateSource`: the hidden-state tap), and
+`Capabilities`: which of them one backend offers, decided once at start-up (the service refuses the RPCs of an
+absent capability instead of calling into the backend). The request, event and state types they speak live in
+`engine_agent.domain`.
 Must not: know gRPC or protobuf (that is `engine_agent.service`), tokenize or detokenize text (that is
 `engine_agent.tokenization`, applied by the service around the backend), or read the wall clock directly.
+
+LENS is not a capability here: a backend gets `lens_planning` when it is built and reports LENS's state
+vector in `EngineStats.lens`; the agent calls nothing LENS-specific on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from engine_agent.domain import (
     BackendEvent,
@@ -20,6 +28,9 @@ from engine_agent.domain import (
     MigrationTicket,
     RequestId,
 )
+
+MIGRATION = "migration"
+HIDDEN_STATES = "hidden-states"
 
 
 class EngineBackend(Protocol):
@@ -35,7 +46,10 @@ class EngineBackend(Protocol):
         """Bring the engine up; returns when it can accept requests."""
 
     async def stop(self) -> None:
-        """Stop the engine loop and free resources (after the service drained)."""
+        """Stop the engine and free resources (after the service drained).
+
+        Every background task the backend started is cancelled and awaited before this returns.
+        """
 
     def generate(self, request: BackendRequest) -> AsyncIterator[BackendEvent]:
         """Admit a request and stream its tokens; the last event is a `FinishEvent`.
@@ -52,13 +66,17 @@ class EngineBackend(Protocol):
         """The current state (cheap, no I/O)."""
         ...
 
-    def hidden_states(self) -> AsyncIterator[HiddenStateBatch]:
-        """Subscribe to the hidden-state tap: one batch every `hidden_state_interval` decode steps.
+    async def wait_for_change(self, after_version: int, timeout_s: float) -> int:
+        """Wait until the state's change counter exceeds `after_version` or the timeout passes.
 
-        Each call is an independent subscriber with a small bounded queue (oldest batches are dropped when the
-        consumer falls behind, never blocking the engine). Yields nothing when the tap is off (interval 0).
+        Returns the current change counter. The service pushes `WatchState` on change or on its interval.
         """
         ...
+
+
+@runtime_checkable
+class Migrator(Protocol):
+    """Optional capability: cut a running request for another engine, and resume one cut elsewhere."""
 
     async def migrate_out(self, request_id: RequestId, target: str) -> MigrationTicket:
         """Cut a running request at a token boundary, keep its KV exported, and return its ticket.
@@ -82,9 +100,57 @@ class EngineBackend(Protocol):
         """For a request resumed by `migrate_in`: how its KV arrived (None until known, or unknown id)."""
         ...
 
-    async def wait_for_change(self, after_version: int, timeout_s: float) -> int:
-        """Wait until the state's change counter exceeds `after_version` or the timeout passes.
 
-        Returns the current change counter. The service pushes `WatchState` on change or on its interval.
+@runtime_checkable
+class HiddenStateSource(Protocol):
+    """Optional capability: the hidden-state tap (STAR's remaining-length predictor reads it)."""
+
+    def hidden_states(self) -> AsyncIterator[HiddenStateBatch]:
+        """Subscribe to the tap: one batch every `static.hidden_state_interval` decode steps.
+
+        Each call is an independent subscriber with a small bounded queue (oldest batches are dropped when the
+        consumer falls behind, never blocking the engine); it ends when the backend stops.
         """
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """The optional capabilities one backend offers, decided once at start-up (`of`).
+
+    `switched_off` maps a capability the backend implements but the agent's configuration turned off to the
+    reason (e.g. "--no-migration"): such a capability is absent, like one the backend does not implement.
+    """
+
+    migrator: Migrator | None = None
+    hidden_state_source: HiddenStateSource | None = None
+    backend: str = ""
+    switched_off: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, backend: EngineBackend, *, switched_off: Mapping[str, str] | None = None) -> Capabilities:
+        """What `backend` implements, less what `switched_off` names (and a tap whose interval is None)."""
+        off = dict(switched_off or {})
+        if backend.static.hidden_state_interval is None:
+            off.setdefault(HIDDEN_STATES, "no hidden-state interval configured")
+        return cls(
+            migrator=backend if isinstance(backend, Migrator) and MIGRATION not in off else None,
+            hidden_state_source=(
+                backend if isinstance(backend, HiddenStateSource) and HIDDEN_STATES not in off else None
+            ),
+            backend=backend.static.backend,
+            switched_off=off,
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The capabilities present, for the start-up log."""
+        present = ((MIGRATION, self.migrator), (HIDDEN_STATES, self.hidden_state_source))
+        return tuple(name for name, capability in present if capability is not None)
+
+    def missing(self, name: str) -> str:
+        """Why capability `name` is absent: the message an RPC that needs it is refused with."""
+        reason = self.switched_off.get(name)
+        if reason is not None:
+            return f"this engine does not offer the {name} capability: it is switched off ({reason})"
+        return f"this engine does not offer the {name} capability: the {self.backend} backend lacks it"

@@ -1,6 +1,7 @@
 """`SimBackend`: the simulated GPU (`engine_agent.sim.engine.SimEngine`) driven in real time.
 
-Owns: the one engine-loop task (born in `start`, cancelled and awaited in `stop`), per-request delivery
+Owns: the one engine-loop task (born in `start`, cancelled and awaited in `stop`, which also awaits a
+hidden-state batch still being built in the executor), per-request delivery
 buffers, the mapping of the engine's step results onto wall time (a step's output is delivered when its
 simulated duration has elapsed), aborts on early close, when the change version behind `wait_for_change` is
 looked at (the version itself is `engine_agent.backends.sim_changes`), the loop-lag figures, migration
@@ -58,6 +59,7 @@ from engine_agent.domain import (
     Usage,
     request_from_ticket,
 )
+from engine_agent.lens.perf_model import import_fit_dependencies
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.migration import MigrationCut
@@ -110,7 +112,8 @@ class _Stream:
 
 
 class SimBackend:
-    """`EngineBackend` over `SimEngine` in real time; one instance per agent process."""
+    """`EngineBackend` over `SimEngine` in real time, with the `Migrator` and `HiddenStateSource`
+    capabilities; one instance per agent process."""
 
     def __init__(
         self,
@@ -125,14 +128,15 @@ class SimBackend:
         role: str = "",
         model: str | None = None,
         lag_tolerance_s: float = DEFAULT_LAG_TOLERANCE_S,
-        hidden_state_interval: int = 0,
+        hidden_state_interval: int | None = None,
         kv_transfer_gbps: float = 25.0,
         kv_transfer_latency_s: float = 0.002,
         lens_planning: bool = False,
     ) -> None:
-        if hidden_state_interval < 0 or kv_transfer_gbps <= 0 or kv_transfer_latency_s < 0:
-            raise ValueError("hidden_state_interval and kv_transfer_latency_s must be >= 0, "
-                             "kv_transfer_gbps > 0")
+        if hidden_state_interval is not None and hidden_state_interval < 1:
+            raise ValueError(f"hidden_state_interval must be >= 1 (None: off), got {hidden_state_interval}")
+        if kv_transfer_gbps <= 0 or kv_transfer_latency_s < 0:
+            raise ValueError("kv_transfer_gbps must be > 0 and kv_transfer_latency_s >= 0")
         self._clock = clock
         self._eos_token_id = eos_token_id
         self._vocab_size = vocab_size
@@ -211,7 +215,14 @@ class SimBackend:
 
     async def start(self) -> None:
         if self._task is None:
+            # Off the loop, before the engine runs: the first LENS refit (inline in the engine loop) would
+            # import scipy (~0.4 s), and the tap's synthetic model takes ~0.1 s to build.
+            await asyncio.to_thread(self._prepare)
             self._task = asyncio.create_task(self._run(), name=f"sim-engine-loop:{self._static.engine_id}")
+
+    def _prepare(self) -> None:
+        import_fit_dependencies()
+        self._tap.prepare()
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -225,7 +236,7 @@ class SimBackend:
         for request_id in list(self._streams):
             event = self._engine.abort(request_id, now)
             self._end_stream(request_id, event or _aborted())
-        self._tap.close()
+        await self._tap.aclose()
         self._changes.publish()
         lag = self.loop_lag
         log.info(

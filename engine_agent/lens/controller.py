@@ -87,14 +87,12 @@ class LensController:
                  model: LatencyModel | None = None, target: AdaptiveTarget | None = None) -> None:
         self._config = cfg = config or LensConfig()
         self._limits = limits
-        self._enabled = cfg.enabled
         self._model = model or LatencyModel(cfg.model)
         self._target = target or AdaptiveTarget(cfg.target)
         self._since_fit = 0
         self._last_fit_s = -math.inf
         self._in_flight = False
         self._last_plan: BatchPlan | None = None
-        self._last_decision: TargetDecision | None = None
 
     @property
     def config(self) -> LensConfig:
@@ -105,17 +103,10 @@ class LensController:
         return self._limits
 
     @property
-    def enabled(self) -> bool:
-        return self._enabled
-
-    def set_enabled(self, enabled: bool) -> None:
-        self._enabled = enabled
-
-    @property
     def planning(self) -> bool:
         """LENS steers batching now: enabled, the model ready and its recent error acceptable."""
         model = self._model
-        return (self._enabled and model.ready
+        return (self._config.enabled and model.ready
                 and model.recent_error_ratio <= self._config.plan_max_error_ratio)
 
     @property
@@ -129,10 +120,6 @@ class LensController:
     @property
     def last_plan(self) -> BatchPlan | None:
         return self._last_plan
-
-    @property
-    def last_decision(self) -> TargetDecision | None:
-        return self._last_decision
 
     # -- feedback ------------------------------------------------------------------------------------------
 
@@ -191,9 +178,7 @@ class LensController:
         cfg = self._config
         ttft = view.slo_ttft_s if view.slo_ttft_s is not None else cfg.default_slo_ttft_s
         tpot = view.slo_tpot_s if view.slo_tpot_s is not None else cfg.default_slo_tpot_s
-        decision = self._target.target(ttft, tpot, int(view.waiting_tokens.shape[0]))
-        self._last_decision = decision
-        return decision
+        return self._target.target(ttft, tpot, int(view.waiting_tokens.shape[0]))
 
     def plan(self, view: QueueView, now_s: float) -> BatchPlan | None:
         """Algorithm 1 for the iteration starting at `now_s`; None: use the backend's default batching."""

@@ -68,9 +68,16 @@ import numpy as np
 import numpy.typing as npt
 
 # scipy (about 0.4 s to import) is imported inside the fitting functions, which run off the serving path, so
-# that importing this module stays cheap.
+# that importing this module stays cheap. A caller that runs fits on a serving loop imports it up front, off
+# that loop (`import_fit_dependencies`).
 
 FloatArray = npt.NDArray[np.float64]
+
+
+def import_fit_dependencies() -> None:
+    """Import what the fits import lazily (scipy), so their first run does not pay for it."""
+    import scipy.linalg  # noqa: F401
+    import scipy.optimize  # noqa: F401
 
 # Coverage reservoir cells: log2 buckets of B (up to 4096) and S (up to 131072).
 _CELLS_B, _CELLS_S = 13, 18
@@ -240,7 +247,8 @@ def _structural_residuals(x: FloatArray, b: FloatArray, s: FloatArray, t: FloatA
                           scale: float) -> FloatArray:
     tau0, w0, lnp, lnkb, lnks, tau_b, tau_s = x
     thr = math.exp(lnp) * -np.expm1(-math.exp(lnkb) * b) * -np.expm1(-math.exp(lnks) * s)
-    return (tau0 + (w0 + s) / thr + tau_b * b + tau_s * s - t) / scale
+    residuals: FloatArray = (tau0 + (w0 + s) / thr + tau_b * b + tau_s * s - t) / scale
+    return residuals
 
 
 def _structural_jacobian(x: FloatArray, b: FloatArray, s: FloatArray, t: FloatArray,
@@ -454,7 +462,7 @@ class LatencyModel:
     def predict(self, batch_size: npt.ArrayLike, tokens: npt.ArrayLike) -> float | FloatArray:
         """Predicted seconds of a batch of `batch_size` sequences computing `tokens` tokens (Eq. 1)."""
         if isinstance(batch_size, _SCALARS) and isinstance(tokens, _SCALARS):
-            return predict_scalar(self._params, batch_size, tokens)
+            return predict_scalar(self._params, float(batch_size), float(tokens))
         return predict_array(self._params, batch_size, tokens)
 
     def samples(self) -> Samples:

@@ -143,9 +143,6 @@ class SimEngine(EngineMigration):
         """LENS attached to this engine (None: static batching and no state vector)."""
         return self._lens
 
-    def attach_lens(self, lens: SimLens | None) -> None:
-        self._lens = lens
-
     @property
     def change_counter(self) -> int:
         return self._changes
@@ -180,6 +177,9 @@ class SimEngine(EngineMigration):
         if prompt_len <= 0 or max_tokens <= 0:
             raise error(f"request {rid!r}: prompt and max_tokens must be non-empty, got "
                         f"{prompt_len} prompt tokens and max_tokens={max_tokens}")
+        target = request.target_output_tokens
+        if target is not None and target < 1:
+            raise error(f"request {rid!r}: target_output_tokens must be >= 1 (None: not given), got {target}")
         profile = self._profile
         if prompt_len + max_tokens > profile.max_context_tokens:
             raise error(f"request {rid!r}: prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds "
@@ -206,7 +206,7 @@ class SimEngine(EngineMigration):
         max_tokens = sampling.max_tokens
         if sampling.ignore_eos:
             return max_tokens, False
-        if request.target_output_tokens > 0:
+        if request.target_output_tokens is not None:
             target = min(request.target_output_tokens, max_tokens)
             return target, target < max_tokens
         profile = self._profile

@@ -85,7 +85,8 @@ def _features(remaining: npt.NDArray[np.float64], generated: npt.NDArray[np.floa
         ug / 9.0,
         up / 9.0,
     )
-    return np.concatenate(parts, axis=1).astype(np.float32)
+    features: npt.NDArray[np.float32] = np.concatenate(parts, axis=1).astype(np.float32)
+    return features
 
 
 def _model_seed(model_name: str) -> int:
@@ -123,14 +124,6 @@ class SyntheticHiddenStates:
         self._bank = bank_rng.standard_normal((BANK_ROWS, hidden_size), dtype=np.float32)
         self._rng = np.random.default_rng([seed, _model_seed(model_name)])
         self._requests: dict[str, tuple[int, float, float]] = {}
-
-    @property
-    def hidden_size(self) -> int:
-        return self._hidden_size
-
-    @property
-    def noise(self) -> HiddenStateNoise:
-        return self._noise
 
     def _request_constants(self, request_id: str) -> tuple[int, float, float]:
         """(bank row of the persistent noise, its sign times persistent_std, belief factor exp(b))."""

@@ -82,9 +82,6 @@ class SimLens:
         if len(slos) > 2 * len(live) + 64:  # forget aborted or migrated requests
             self._slos = {rid: v for rid, v in slos.items() if rid in live}
 
-    def forget(self, request_id: RequestId) -> None:
-        self._slos.pop(request_id, None)
-
     def on_finished(self, seq: Seq, end_s: float) -> None:
         """`seq` produced its last token in the iteration ending at `end_s`."""
         if self._slos:

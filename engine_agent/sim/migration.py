@@ -49,7 +49,8 @@ class MigrationCut:
 class EngineMigration:
     """`SimEngine`'s migration methods (see the module docstring); holds no state of its own."""
 
-    __slots__ = ()
+    if not TYPE_CHECKING:  # no state of its own; hidden from mypy, which would check the annotations below
+        __slots__ = ()  # against this empty tuple instead of `SimEngine`'s slots
 
     if TYPE_CHECKING:  # the `SimEngine` state and helpers these methods share (its __slots__ and methods)
         _profile: Profile

@@ -338,7 +338,8 @@ def test_cli_port_in_use(agent: Agent) -> None:
 
 
 async def test_sigterm_drains_in_flight_stream(tmp_path: Path) -> None:
-    agent = Agent.start(tmp_path, "--drain-grace-s", "20")
+    # Off the loop: Agent.start polls health with a blocking gRPC channel and time.sleep until SERVING.
+    agent = await asyncio.to_thread(Agent.start, tmp_path, "--drain-grace-s", "20")
     try:
         async with grpc.aio.insecure_channel(agent.target) as channel:
             stub = pb_grpc.EngineAgentStub(channel)

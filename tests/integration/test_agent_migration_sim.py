@@ -3,7 +3,8 @@
 A long greedy request starts on agent A; after ~20 tokens MigrateOut cuts it for agent B; MigrateIn on B
 continues it. A third agent C runs the same requests unmigrated as the reference: the sim carries each
 request's token-generator state in the ticket, so A's tokens followed by B's equal C's, and so does the text.
-The pause the client sees (A's last token to B's first) is printed; run with `-rP` to see it.
+The pause the client sees (A's last token to B's first) is printed (run with `-rP` to see it), not bounded:
+a wall-clock figure; benchmarks/live_vs_sim.py measures it against the modelled transfer + one iteration.
 """
 
 from __future__ import annotations
@@ -187,8 +188,7 @@ async def test_migrate_long_greedy_request(
         f"(A's last token -> B's first token) {pause_s * 1e3:.1f} ms, of which MigrateIn call -> first token "
         f"{resume_s * 1e3:.1f} ms"
     )
-    assert transfer_s <= resume_s <= pause_s
-    assert pause_s < transfer_s + iteration_s + 0.25  # generous: four processes share the CI machine's cores
+    assert transfer_s <= resume_s <= pause_s  # B holds the first token for the modelled transfer at least
 
 
 async def test_stop_string_straddling_the_cut(

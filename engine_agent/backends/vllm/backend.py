@@ -4,8 +4,11 @@ Owns: building the engine from a model directory (skip_tokenizer_init: the agent
 output stays continuous across migration), token-id requests with delta outputs and exact usage, abort with
 the map between our request ids and vLLM's internal ones, engine state (a custom stat logger receives every
 step's `SchedulerStats` and iteration details in this process; the scheduler-side figures come from the
-`agent_state` utility polled while the engine is busy), the hidden-state tap's drain, and migration over
-NixlConnector (finish-then-pull, as `engine_side.AgentScheduler.agent_cut` describes).
+`agent_state` utility polled while the engine is busy), the hidden-state tap's drain, migration over
+NixlConnector (finish-then-pull, as `engine_side.AgentScheduler.agent_cut` describes; whether the agent offers
+it is decided at start-up, `engine_agent.server.backend_capabilities`), and its background tasks: the state
+poller, a tap drain and a LENS refit at a time, all born after `start` and ended by `stop` (none is born once
+`stop` began).
 Must not: import vLLM at module import time of the agent package (it loads only when this backend is chosen),
 translate protobuf, or tokenize.
 
@@ -78,7 +81,10 @@ class _Stream:
 
 
 class VllmBackend:
-    """An embedded vLLM engine. `start` takes tens of seconds (model load, KV allocation, warm-up)."""
+    """An embedded vLLM engine (`EngineBackend` with the `Migrator` and `HiddenStateSource` capabilities).
+
+    `start` takes tens of seconds (model load, KV allocation, warm-up).
+    """
 
     def __init__(
         self,
@@ -91,7 +97,7 @@ class VllmBackend:
         agent_port: int,
         served_model_name: str | None = None,
         role: str = "",
-        hidden_state_interval: int = 20,
+        hidden_state_interval: int | None = 20,  # None: no tap
         lens_planning: bool = False,
     ) -> None:
         self._model_dir = str(Path(model_dir).resolve())
@@ -131,6 +137,7 @@ class VllmBackend:
         self._lens_planning = lens_planning
         self._lens: LensController | None = None
         self._refit: asyncio.Task[None] | None = None
+        self._stopping = False  # set by `stop`: no background task is born after it
         self._view: QueueView | None = None
 
     # -- protocol: static --------------------------------------------------------------------------------
@@ -153,32 +160,17 @@ class VllmBackend:
     async def start(self) -> None:
         if self._llm is not None:
             return
-        cfg = self._config
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        if is_cpu_platform():
-            os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.cpu_kv_cache_gb:g}"
-            bind = cfg.cpu_omp_threads_bind or default_omp_bind(cfg.enable_migration)
-            if bind:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-        if cfg.enable_migration:
-            port = cfg.nixl_side_channel_port or self._agent_port + 1000
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.nixl_side_channel_host
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
-        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
-
-        args = engine_args(self._model_dir, self._model_name, self._engine_id, self._config, ENGINE_SIDE)
-        vllm_config = await asyncio.to_thread(args.create_engine_config)
+        self._stopping = False
+        # Importing vLLM and building its config take seconds: in a thread, so the agent's loop keeps serving.
+        async_llm, vllm_config, kind = await asyncio.to_thread(self._engine_config)
         sched = vllm_config.scheduler_config
-        kind = "AgentAsyncScheduler" if sched.async_scheduling else "AgentScheduler"
-        sched.scheduler_cls = f"{ENGINE_SIDE}.{kind}"
         backend = self
 
         def logger_factory(vllm_config: Any, engine_index: int = 0) -> Any:
             return make_stat_logger(backend._state.on_step, vllm_config, engine_index)
 
         self._llm = await asyncio.to_thread(
-            AsyncLLM.from_vllm_config, vllm_config, stat_loggers=[logger_factory], disable_log_stats=True
+            async_llm.from_vllm_config, vllm_config, stat_loggers=[logger_factory], disable_log_stats=True
         )
         model = self._llm.vllm_config.model_config
         cache = self._llm.vllm_config.cache_config
@@ -214,7 +206,7 @@ class VllmBackend:
             ),
             LensConfig(enabled=self._lens_planning),
         )
-        if self._hidden_state_interval > 0:
+        if self._hidden_state_interval is not None:
             await self._llm.collective_rpc("agent_tap_install", args=(self._hidden_state_interval,))
         self._poll_task = asyncio.create_task(self._poll_state(), name=f"vllm-state:{self._engine_id}")
         log.info(
@@ -226,13 +218,47 @@ class VllmBackend:
             self._kv_bytes_per_token,
         )
 
+    def _engine_config(self) -> tuple[Any, Any, str]:
+        """(vLLM's `AsyncLLM` class, the engine's `VllmConfig`, the agent's scheduler class name).
+
+        Sets the environment vLLM reads first. Runs in a thread: vLLM's imports take seconds.
+        """
+        cfg = self._config
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        if is_cpu_platform():
+            os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.cpu_kv_cache_gb:g}"
+            bind = cfg.cpu_omp_threads_bind or default_omp_bind(cfg.enable_migration)
+            if bind:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if cfg.enable_migration:
+            port = cfg.nixl_side_channel_port or self._agent_port + 1000
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.nixl_side_channel_host
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+
+        args = engine_args(self._model_dir, self._model_name, self._engine_id, cfg, ENGINE_SIDE)
+        vllm_config = args.create_engine_config()
+        sched = vllm_config.scheduler_config
+        kind = "AgentAsyncScheduler" if sched.async_scheduling else "AgentScheduler"
+        sched.scheduler_cls = f"{ENGINE_SIDE}.{kind}"
+        return AsyncLLM, vllm_config, kind
+
     async def stop(self) -> None:
-        for task in (self._poll_task, self._tap_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._poll_task = self._tap_task = None
+        """End the background tasks, then abort what is left and shut vLLM down.
+
+        The poller and a tap drain in flight are cancelled; a LENS refit in flight is awaited (its job runs in
+        the executor, where it cannot be interrupted, for milliseconds). All are done when this returns.
+        """
+        self._stopping = True
+        cancelled = [task for task in (self._poll_task, self._tap_task) if task is not None]
+        for task in cancelled:
+            task.cancel()
+        pending = [*cancelled, *([self._refit] if self._refit is not None else [])]
+        if pending:
+            await asyncio.wait(pending)
+        self._poll_task = self._tap_task = self._refit = None
+        self._tap.close()
         llm, self._llm = self._llm, None
         if llm is not None:
             ids = [str(s.request_id) for s in self._streams.values()]
@@ -320,6 +346,7 @@ class VllmBackend:
             slo_ttft_s=ticket.slo_ttft_s,
             slo_tpot_s=ticket.slo_tpot_s,
             priority=ticket.priority,
+            target_output_tokens=ticket.target_output_tokens,
             session_id=ticket.session_id,
         )
         return self._run(request, prompt, params, ticket)
@@ -412,7 +439,9 @@ class VllmBackend:
             kv_tokens_loaded=loaded,
             kv_tokens_recomputed=total - loaded,
             kv_bytes_transferred=loaded * self._kv_bytes_per_token,
-            transfer_s=self._clock.now() - ticket.cut_timestamp_s if ticket.cut_timestamp_s else 0.0,
+            transfer_s=(
+                self._clock.now() - ticket.cut_timestamp_s if ticket.cut_timestamp_s is not None else None
+            ),
         )
         if len(self._migration_stats) > 1024:
             self._migration_stats.pop(next(iter(self._migration_stats)))
@@ -466,8 +495,6 @@ class VllmBackend:
             raise MigrationRefused(
                 "seeded sampling cannot move: the per-request generator restarts on the target"
             )
-        if not self._config.enable_migration:
-            raise MigrationRefused("migration is disabled on this engine (--no-migration)")
         if stream.cut is not None:
             raise MigrationRefused("a migration of this request is already in progress")
         stream.cut = asyncio.get_running_loop().create_future()
@@ -495,23 +522,39 @@ class VllmBackend:
     # -- engine-side read-outs ------------------------------------------------------------------------
 
     def _on_iteration(self, sample: IterationSample) -> None:
-        """Every recorded engine iteration: feed LENS (refits run in an executor), drain the tap every k."""
+        """Every recorded engine iteration: feed LENS (refits run in an executor), drain the tap every k.
+
+        Called by vLLM's output handler in this loop; spawns no task once `stop` began.
+        """
         lens = self._lens
+        spawn = not self._stopping
         if lens is not None:
             lens.on_iteration(sample, sample.timestamp_s)
-            job = lens.take_refit_job(sample.timestamp_s) if self._refit is None else None
+            job = lens.take_refit_job(sample.timestamp_s) if spawn and self._refit is None else None
             if job is not None:
-                self._refit = asyncio.get_running_loop().create_task(self._run_refit(lens, job))
+                self._refit = asyncio.get_running_loop().create_task(
+                    self._run_refit(lens, job), name=f"vllm-lens-refit:{self._engine_id}"
+                )
         if sample.num_decode_seqs or sample.num_prefill_seqs:
             self._decode_steps += 1
         k = self._hidden_state_interval
-        if k > 0 and self._decode_steps - self._tap_drained_at >= k and self._tap_task is None:
+        if (
+            spawn
+            and k is not None
+            and self._decode_steps - self._tap_drained_at >= k
+            and self._tap_task is None
+        ):
             self._tap_drained_at = self._decode_steps
-            self._tap_task = asyncio.get_running_loop().create_task(self._drain_tap())
+            self._tap_task = asyncio.get_running_loop().create_task(
+                self._drain_tap(), name=f"vllm-tap-drain:{self._engine_id}"
+            )
 
     async def _run_refit(self, lens: LensController, job: Callable[[], FitOutcome]) -> None:
         try:
             outcome = await asyncio.get_running_loop().run_in_executor(None, job)
+        except asyncio.CancelledError:
+            lens.abandon_refit()
+            raise
         except Exception:
             lens.abandon_refit()
             log.exception("LENS refit failed")

@@ -4,7 +4,8 @@ vLLM's `AsyncLLM` always runs its EngineCore (scheduler, KV manager, executor) i
 agent reaches it through three hooks vLLM provides, all loaded by qualified name in that process:
 
 - `AgentScheduler` / `AgentAsyncScheduler` (`scheduler_cls`): vLLM's scheduler with a per-iteration token
-  budget the agent may set (LENS; None = vLLM's own) and the methods below. Importing this module also
+  budget planned by LENS from the latency model the agent pushes (none pushed = vLLM's own budget) and the
+  methods below. Importing this module also
   attaches the agent's utility methods to `EngineCore`, which
   `AsyncLLM.engine_core.call_utility_async(name, ...)` calls between engine steps.
 - `HiddenStateTap` (`worker_extension_cls`): wraps the model's `compute_logits` so every k-th sampling step
@@ -40,13 +41,11 @@ MIGRATE_OUT_MARKER = "agent_migrate_out"
 
 
 class _AgentSchedulerMixin:
-    """Adds the agent's budget and read-outs to vLLM's scheduler (mixed into both scheduler kinds)."""
+    """Adds the agent's LENS budget and read-outs to vLLM's scheduler (mixed into both scheduler kinds)."""
 
-    agent_budget: int | None = None
     # LENS (Algorithm 1) runs here, before every schedule(), with the latency model the agent fits and pushes:
     # (params, target latency, limits); None = vLLM's static budget.
     agent_lens: tuple[LatencyParams, float, PlanLimits] | None = None
-    agent_plans = 0
 
     def _agent_todo(self) -> tuple[list[int], list[int]]:
         """Tokens each running request would compute now (>= 1) and each waiting one still needs, FCFS."""
@@ -60,18 +59,15 @@ class _AgentSchedulerMixin:
         return QueueView(np.asarray(running, dtype=np.int64), np.asarray(waiting, dtype=np.int64), int(free))
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        budget = self.agent_budget
         lens = self.agent_lens
+        plan = None
         if lens is not None:
             params, target_s, limits = lens
             plan = plan_batch(self._agent_queue_view(), limits, params, target_s)
-            if plan is not None:
-                budget = plan.token_budget
-                self.agent_plans += 1
-        if budget is None:
+        if plan is None:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         configured = self.max_num_scheduled_tokens  # type: ignore[attr-defined]
-        self.max_num_scheduled_tokens = max(1, min(budget, configured))
+        self.max_num_scheduled_tokens = max(1, min(plan.token_budget, configured))
         try:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
@@ -105,10 +101,8 @@ class _AgentSchedulerMixin:
             "kv_blocks_reserved": sum(-(-t // block_size) for t in wait_todo),
             "pending_prefill_tokens": prompt_left + sum(wait_todo),
             "running_batch_tokens": sum(r.num_computed_tokens for r in running),
-            "budget": self.agent_budget,
             "running_tokens": run_todo,
             "waiting_tokens": wait_todo,
-            "lens_plans": self.agent_plans,
         }
 
     def agent_cut(self, request_id: str) -> dict[str, Any]:
@@ -147,9 +141,6 @@ class _AgentSchedulerMixin:
         req.kv_transfer_params = None
         return True
 
-    def agent_set_budget(self, budget: int | None) -> None:
-        self.agent_budget = budget
-
 
 class AgentScheduler(_AgentSchedulerMixin, Scheduler):
     """vLLM's synchronous scheduler with the agent's hooks (the CPU platform forces this one)."""
@@ -171,14 +162,9 @@ def _engine_forget_transfer(self: EngineCore, request_id: str) -> bool:
     return self.scheduler.agent_forget_transfer(request_id)  # type: ignore[attr-defined]
 
 
-def _engine_set_budget(self: EngineCore, budget: int | None) -> None:
-    self.scheduler.agent_set_budget(budget)  # type: ignore[attr-defined]
-
-
 EngineCore.agent_state = _engine_state  # type: ignore[attr-defined]
 EngineCore.agent_cut = _engine_cut  # type: ignore[attr-defined]
 EngineCore.agent_forget_transfer = _engine_forget_transfer  # type: ignore[attr-defined]
-EngineCore.agent_set_budget = _engine_set_budget  # type: ignore[attr-defined]
 
 
 class HiddenStateTap:

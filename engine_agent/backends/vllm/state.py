@@ -58,7 +58,6 @@ class VllmEngineState:
         self._sched: dict[str, Any] = {}
         self._signal = VersionSignal()
         self._published: tuple[int, int, int] = (0, 0, -1)
-        self.nixl_bytes_total = 0
         self.lens = LensFigures()
 
     @property
@@ -112,13 +111,6 @@ class VllmEngineState:
             prefix = scheduler_stats.prefix_cache_stats
             if prefix is not None:
                 self._num_preempted += int(getattr(prefix, "preempted_requests", 0) or 0)
-            connector = scheduler_stats.kv_connector_stats
-            if isinstance(connector, dict):
-                moved = connector.get("bytes_transferred")
-                if isinstance(moved, int | float):
-                    self.nixl_bytes_total += int(moved)
-                elif isinstance(moved, list):
-                    self.nixl_bytes_total += int(sum(moved))
             details = scheduler_stats.iteration_details
             if details is not None and not getattr(details, "is_dummy", False):
                 self._record(details)

@@ -6,7 +6,7 @@ last-token rows of the batch keyed by vLLM's internal request ids; the backend d
 
 Owns: `TapFanout`: decoding raw batches into `HiddenStateBatch`es under the agent's request ids, and one
 bounded queue per subscriber (the oldest batch is dropped when a consumer falls behind; the engine never
-waits).
+waits), ending every subscription when the backend stops (`close`).
 Must not: call into vLLM or block.
 """
 
@@ -24,20 +24,26 @@ _QUEUE = 64
 
 
 class TapFanout:
-    def __init__(self, interval: int) -> None:
-        self._interval = interval
-        self._subscribers: list[asyncio.Queue[HiddenStateBatch]] = []
+    def __init__(self, interval: int | None) -> None:
+        self._interval = interval  # None: the tap is off and subscriptions end at once
+        # Each subscriber's queue; None (after every batch already queued) ends the subscription.
+        self._subscribers: list[asyncio.Queue[HiddenStateBatch | None]] = []
 
     async def subscribe(self) -> AsyncIterator[HiddenStateBatch]:
-        if self._interval <= 0:
+        if self._interval is None:
             return
-        queue: asyncio.Queue[HiddenStateBatch] = asyncio.Queue(maxsize=_QUEUE)
+        queue: asyncio.Queue[HiddenStateBatch | None] = asyncio.Queue(maxsize=_QUEUE)
         self._subscribers.append(queue)
         try:
-            while True:
-                yield await queue.get()
+            while (batch := await queue.get()) is not None:
+                yield batch
         finally:
             self._subscribers.remove(queue)
+
+    def close(self) -> None:
+        """The backend stopped: end every subscription once its queued batches are read."""
+        for queue in self._subscribers:
+            _put_dropping_oldest(queue, None)
 
     def publish(self, drained: Sequence[Any], by_internal: Mapping[str, RequestId], now_s: float) -> None:
         """`drained`: rank 0's `agent_tap_drain` answer: (step, internal ids, generated, rows, width)."""
@@ -50,6 +56,12 @@ class TapFanout:
             )
             batch = HiddenStateBatch(step=int(step), timestamp_s=now_s, samples=samples)
             for queue in self._subscribers:
-                if queue.full():
-                    queue.get_nowait()
-                queue.put_nowait(batch)
+                _put_dropping_oldest(queue, batch)
+
+
+def _put_dropping_oldest(
+    queue: asyncio.Queue[HiddenStateBatch | None], item: HiddenStateBatch | None
+) -> None:
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)

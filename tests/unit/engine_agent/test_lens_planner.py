@@ -242,15 +242,14 @@ def test_controller_plans_only_when_enabled_and_ready() -> None:
     ctl = _warm_controller(LensConfig(default_slo_tpot_s=0.0305))
     plan = ctl.plan(q, 0.0)
     assert plan is not None and (plan.num_seqs, plan.token_budget) == (5, 152)
-    ctl.set_enabled(False)
-    assert ctl.plan(q, 0.0) is None and ctl.last_plan is None
+    disabled = _warm_controller(LensConfig(enabled=False, default_slo_tpot_s=0.0305))
+    assert disabled.plan(q, 0.0) is None and disabled.last_plan is None
     # A model whose recent predictions are off by more than 25% stops steering.
     off = _warm_controller(LensConfig(default_slo_tpot_s=0.0305))
     for i in range(10):
         off.on_iteration(_Record(0.1, 0, 0, 5, 5), 0.1 * i)  # predicted 15.5 ms, observed 100 ms
     assert not off.planning and off.plan(q, 1.0) is None
     # Per-request SLOs in the view override the defaults.
-    ctl.set_enabled(True)
     tight = QueueView.of([1, 1], [50, 50, 50, 50], 10_000, slo_tpot_s=0.0182)
     plan = ctl.plan(tight, 0.0)
     assert plan is not None and plan.target_latency_s == 0.0182 and plan.num_seqs == 3
@@ -269,9 +268,9 @@ def test_state_vector_eq_8() -> None:
     assert figures.peak_throughput_tokens_per_s == 10_000.0
     assert not figures.slo_risk
     # LENS off (static budget): L-hat is the default greedy batch under (Q_max, M_max).
-    ctl.set_enabled(False)
+    off = _warm_controller(LensConfig(enabled=False, default_slo_tpot_s=0.0305))
     b, s = allocate(q, LIMITS, LIMITS.max_num_seqs, LIMITS.max_batched_tokens)
-    assert ctl.state_vector(q, 0.0).predicted_batch_latency_s == predict_scalar(LINEAR, b, s)
+    assert off.state_vector(q, 0.0).predicted_batch_latency_s == predict_scalar(LINEAR, b, s)
     # A cold model reports L-hat and P_max as unknown (0); KV is floored at 0.
     cold = LensController(LIMITS).state_vector(view([], [5000], free_kv_blocks=10), 0.0)
     assert cold.predicted_batch_latency_s == 0.0 and cold.peak_throughput_tokens_per_s == 0.0

@@ -18,8 +18,9 @@ def profile(**changes: object) -> Profile:
     return dataclasses.replace(BASE, **changes)  # type: ignore[arg-type]
 
 
-def request(rid: str, prompt_tokens: int, max_tokens: int = 16, *, target: int = 0, ignore_eos: bool = False,
-            min_tokens: int = 0, priority: int = 0, seed: int | None = None) -> BackendRequest:
+def request(rid: str, prompt_tokens: int, max_tokens: int = 16, *, target: int | None = None,
+            ignore_eos: bool = False, min_tokens: int = 0, priority: int = 0,
+            seed: int | None = None) -> BackendRequest:
     sampling = SamplingSpec(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, seed=seed)
     return BackendRequest(RequestId(rid), (11,) * prompt_tokens, sampling, priority=priority,
                           target_output_tokens=target)

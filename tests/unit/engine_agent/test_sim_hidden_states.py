@@ -1,11 +1,11 @@
-"""The sim's synthetic hidden states: shape, determinism, a learnable remaining-length signal, cost, and the
-backend's tap cadence (one batch every k decode steps, one vector per decoding request)."""
+"""The sim's synthetic hidden states: shape, determinism, a learnable remaining-length signal, and the
+backend's tap cadence (one batch every k decode steps, one vector per decoding request). The cost of a tap
+is measured by benchmarks/sim_iteration_time.py."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import numpy as np
 import pytest
@@ -87,7 +87,7 @@ def test_ridge_regression_predicts_log_remaining_on_held_out_requests() -> None:
     assert r2_control < 0.2
 
 
-def test_tap_cost_at_256_requests() -> None:
+def test_tap_at_256_requests() -> None:
     model = SyntheticHiddenStates(HIDDEN, PROFILE.model.name)
     rng = np.random.default_rng(3)
     ids = [f"req-{i}" for i in range(256)]
@@ -95,15 +95,8 @@ def test_tap_cost_at_256_requests() -> None:
     generated = rng.integers(1, 1000, 256).tolist()
     remaining = rng.integers(1, 1000, 256).tolist()
     model.vectors(ids, prompt, generated, remaining)  # builds the noise bank
-    runs = []
-    for _ in range(10):
-        started = time.perf_counter()
-        out = model.vectors(ids, prompt, generated, remaining)
-        runs.append(time.perf_counter() - started)
-    assert out.shape == (256, 4096)
-    median_ms, max_ms = np.median(runs) * 1e3, max(runs) * 1e3
-    print(f"\nhidden-state tap, 256 x 4096: median {median_ms:.2f} ms, max {max_ms:.2f} ms")
-    assert np.median(runs) < 0.25  # a loose guard against accidental per-element Python work
+    out = model.vectors(ids, prompt, generated, remaining)
+    assert out.shape == (256, 4096) and out.dtype == np.float32 and np.isfinite(out).all()
 
 
 async def test_backend_tap_cadence_and_contents() -> None:

@@ -38,8 +38,8 @@ def profile(**changes: object) -> Profile:
     return dataclasses.replace(BASE, **changes)  # type: ignore[arg-type]
 
 
-def request(rid: str, prompt_tokens: int, max_tokens: int = 64, *, seed: int | None = None, target: int = 0,
-            ignore_eos: bool = True) -> BackendRequest:
+def request(rid: str, prompt_tokens: int, max_tokens: int = 64, *, seed: int | None = None,
+            target: int | None = None, ignore_eos: bool = True) -> BackendRequest:
     sampling = SamplingSpec(max_tokens=max_tokens, seed=seed, ignore_eos=ignore_eos)
     return BackendRequest(RequestId(rid), (9,) * prompt_tokens, sampling, target_output_tokens=target)
 
