@@ -1,6 +1,6 @@
 """Latency based: route to the engine with the lowest recent average latency (NexusSched §7.4's baseline).
 
-Owns: `LatencyBasedPolicy`.
+Owns: `LatencyBasedPolicy` and its parameters `LatencyBasedParams` (`metric`).
 Formula: over the eligible engines E, latency(e) = e.recent_e2e_s (metric "e2e", default) or e.recent_ttft_s
 (metric "ttft"): the mean over requests that finished on e within the cluster state's latency window
 (2 s by default, see `gateway.cluster.state`), measured by this gateway from dispatch to finish / first token.
@@ -18,23 +18,28 @@ from typing import ClassVar, Literal
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
+from gateway.policies.params import PolicyParams
 
 LatencyMetric = Literal["e2e", "ttft"]
-LATENCY_METRICS: tuple[LatencyMetric, ...] = ("e2e", "ttft")
+
+
+class LatencyBasedParams(PolicyParams):
+    metric: LatencyMetric = "e2e"
 
 
 class LatencyBasedPolicy:
     NAME: ClassVar[str] = "latency_based"
 
-    def __init__(self, metric: LatencyMetric = "e2e") -> None:
-        if metric not in LATENCY_METRICS:
-            raise ValueError(f"metric must be one of {list(LATENCY_METRICS)}, got {metric!r}")
-        self.metric: LatencyMetric = metric
+    def __init__(self, params: LatencyBasedParams | None = None) -> None:
+        self._params = params if params is not None else LatencyBasedParams()
+        self.metric: LatencyMetric = self._params.metric
+
+    @property
+    def params(self) -> LatencyBasedParams:
+        return self._params
 
     def latency_s(self, engine: EngineView) -> float | None:
         """The engine's windowed latency, None without a sample in the window."""
-        if engine.recent_latency_samples <= 0:
-            return None
         return engine.recent_e2e_s if self.metric == "e2e" else engine.recent_ttft_s
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:

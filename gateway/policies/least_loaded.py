@@ -1,6 +1,7 @@
 """Least loaded, by in-flight tokens (default) or by queue length (NexusSched §7.4's baseline).
 
-Owns: `LeastLoadedPolicy` and `load_tokens`, the load measure other policies reuse.
+Owns: `LeastLoadedPolicy`, its parameters `LeastLoadedParams` (`measure`), and `load_tokens`, the load
+measure other policies reuse.
 Formula, measure "tokens": load(e) = e.inflight_tokens + e.pending_prefill_tokens, where
   - inflight_tokens is this gateway's optimistic account: prompt + max_tokens of every request it dispatched
     to e and has not seen finish (an upper bound on the work it sent there, visible before the engine reports
@@ -22,9 +23,13 @@ from typing import ClassVar, Literal
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
+from gateway.policies.params import PolicyParams
 
 LoadMeasure = Literal["tokens", "requests"]
-LOAD_MEASURES: tuple[LoadMeasure, ...] = ("tokens", "requests")
+
+
+class LeastLoadedParams(PolicyParams):
+    measure: LoadMeasure = "tokens"
 
 
 def load_tokens(engine: EngineView) -> int:
@@ -35,10 +40,13 @@ def load_tokens(engine: EngineView) -> int:
 class LeastLoadedPolicy:
     NAME: ClassVar[str] = "least_loaded"
 
-    def __init__(self, measure: LoadMeasure = "tokens") -> None:
-        if measure not in LOAD_MEASURES:
-            raise ValueError(f"measure must be one of {list(LOAD_MEASURES)}, got {measure!r}")
-        self.measure: LoadMeasure = measure
+    def __init__(self, params: LeastLoadedParams | None = None) -> None:
+        self._params = params if params is not None else LeastLoadedParams()
+        self.measure: LoadMeasure = self._params.measure
+
+    @property
+    def params(self) -> LeastLoadedParams:
+        return self._params
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         engines = eligible(features, snapshot)

@@ -60,11 +60,13 @@ Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import Annotated, ClassVar, NamedTuple
+
+from pydantic import Field, StrictFloat
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
+from gateway.policies.params import NonNegative, NonNegativeFinite, PolicyParams, PositiveFinite
 from gateway.policies.static_weighted import gpu_class_weight
 
 CAPACITY_EPSILON = 1e-6
@@ -74,55 +76,30 @@ TIE_TOLERANCE = 1e-12
 _LOG_EPS = math.log(CAPACITY_EPSILON)
 
 
-@dataclass(frozen=True, slots=True)
-class PrismWeights:
-    latency: float = 1.0
-    load: float = 1.0
-    capacity: float = 1.0
-    affinity: float = 1.0
+class PrismWeights(PolicyParams):
+    """The exponents w_i of Eq. 9: each >= 0 and finite (0 switches the factor off)."""
 
-    def __post_init__(self) -> None:
-        for name in ("latency", "load", "capacity", "affinity"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"weight {name!r} must be >= 0 and finite, got {value}")
+    latency: NonNegativeFinite = 1.0
+    load: NonNegativeFinite = 1.0
+    capacity: NonNegativeFinite = 1.0
+    affinity: NonNegativeFinite = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class PrismParams:
-    weights: PrismWeights = field(default_factory=PrismWeights)
-    ttft_slo_ms: float = 2000.0  # used when the request carries no TTFT SLO
-    tpot_slo_ms: float = 50.0  # used when the request carries no TPOT SLO
-    latency_steepness: float = 4.0  # k
-    load_scale_s: float = 1.0  # tau
-    capacity_headroom: float = 1.0  # kappa
-    affinity_bonus: float = 1.5  # beta
-    decode_work_tokens: float = 128.0  # d
-    default_peak_tokens_per_s: float = 20_000.0  # P_e of an H100-class engine without LENS
-    fresh_age_s: float = 0.25
-    stale_half_life_s: float = 1.0
-    slo_risk_penalty: float = 0.5
+class PrismParams(PolicyParams):
+    """PRISM's parameters (symbols of the module docstring); bounds are field constraints."""
 
-    def __post_init__(self) -> None:
-        positive = (
-            "ttft_slo_ms",
-            "tpot_slo_ms",
-            "latency_steepness",
-            "load_scale_s",
-            "capacity_headroom",
-            "default_peak_tokens_per_s",
-            "stale_half_life_s",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be > 0 and finite, got {value}")
-        if not (self.affinity_bonus >= 1 and math.isfinite(self.affinity_bonus)):
-            raise ValueError(f"affinity_bonus must be >= 1, got {self.affinity_bonus}")
-        if not (self.decode_work_tokens >= 0 and self.fresh_age_s >= 0):
-            raise ValueError("decode_work_tokens and fresh_age_s must be >= 0")
-        if not 0 < self.slo_risk_penalty <= 1:
-            raise ValueError(f"slo_risk_penalty must be in (0, 1], got {self.slo_risk_penalty}")
+    weights: PrismWeights = Field(default_factory=PrismWeights)
+    ttft_slo_ms: PositiveFinite = 2000.0  # used when the request carries no TTFT SLO
+    tpot_slo_ms: PositiveFinite = 50.0  # used when the request carries no TPOT SLO
+    latency_steepness: PositiveFinite = 4.0  # k
+    load_scale_s: PositiveFinite = 1.0  # tau
+    capacity_headroom: PositiveFinite = 1.0  # kappa
+    affinity_bonus: Annotated[StrictFloat, Field(ge=1, allow_inf_nan=False)] = 1.5  # beta
+    decode_work_tokens: NonNegativeFinite = 128.0  # d
+    default_peak_tokens_per_s: PositiveFinite = 20_000.0  # P_e of an H100-class engine without LENS
+    fresh_age_s: NonNegative = 0.25  # +inf: never blend
+    stale_half_life_s: PositiveFinite = 1.0
+    slo_risk_penalty: Annotated[StrictFloat, Field(gt=0, le=1)] = 0.5
 
 
 class Factors(NamedTuple):
@@ -135,7 +112,7 @@ class Factors(NamedTuple):
 def fallback_peak_tokens_per_s(engines: tuple[EngineView, ...]) -> float:
     """P_e for engines without LENS: the median P_max reported by `engines`, 0.0 when none reports one (then
     each engine's P_e comes from its GPU class, see `class_peak_tokens_per_s`)."""
-    reported = sorted(p for e in engines if (p := e.peak_throughput_tokens_per_s) > 0.0)
+    reported = sorted(e.lens.peak_throughput_tokens_per_s for e in engines if e.lens is not None)
     if not reported:
         return 0.0
     mid = len(reported) // 2
@@ -200,11 +177,12 @@ def _evaluate(
     confidence: list[float] = []
     all_fresh = True
     for e in engines:
-        peak = e.peak_throughput_tokens_per_s
-        if peak > 0.0:  # LENS
-            latency_s = e.predicted_batch_latency_s * (1.0 + e.prediction_error_ratio)
-            work = e.pending_work_tokens
-            free_blocks = e.effective_free_kv_blocks
+        lens = e.lens
+        if lens is not None:
+            peak = lens.peak_throughput_tokens_per_s
+            latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
+            work = lens.pending_work_tokens
+            free_blocks = lens.effective_free_kv_blocks
         else:
             if fallback > 0.0:
                 peak = fallback
@@ -224,7 +202,7 @@ def _evaluate(
         if m_ttft > max_margin or m_tpot > max_margin:  # absurd reports must not overflow m^k
             m_ttft, m_tpot = min(m_ttft, max_margin), min(m_tpot, max_margin)
         log_latency = -log1p(m_ttft**k) - log1p(m_tpot**k)
-        if e.slo_risk:
+        if lens is not None and lens.slo_risk:
             log_latency += log_risk
         # Relative load.
         work += unreported_prompt + d * e.unreported_requests + p
@@ -263,7 +241,7 @@ def factors(
     params: PrismParams | None = None,
 ) -> Factors:
     """The four scores of `engine` for the request (fallback P_max taken over the snapshot's engines)."""
-    params = params or PrismParams()
+    params = params if params is not None else PrismParams()
     fallback = fallback_peak_tokens_per_s(snapshot.serving(features.model) or (engine,))
     collected: list[tuple[float, float, float, float]] = []
     _evaluate((engine,), _request_terms(features, params, fallback), params, collected)
@@ -272,7 +250,7 @@ def factors(
 
 def confidence(engine: EngineView, params: PrismParams | None = None) -> float:
     """c_e of the module docstring (0 for an engine flagged stale)."""
-    params = params or PrismParams()
+    params = params if params is not None else PrismParams()
     return _evaluate((engine,), _request_terms(_NO_REQUEST, params, 1.0), params).confidence[0]
 
 
@@ -285,7 +263,7 @@ class PrismPolicy:
     NAME: ClassVar[str] = "prism"
 
     def __init__(self, params: PrismParams | None = None) -> None:
-        self._params = params or PrismParams()
+        self._params = params if params is not None else PrismParams()
 
     @property
     def params(self) -> PrismParams:

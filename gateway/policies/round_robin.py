@@ -1,6 +1,6 @@
 """Round robin: the baseline policy.
 
-Owns: `RoundRobinPolicy`.
+Owns: `RoundRobinPolicy` and its (empty) parameters `RoundRobinParams`.
 Formula: let E be the eligible engines (`base.eligible`: right model, ready, fresh, not excluded) sorted by
 engine id; pick E[dispatch_seq mod |E|]. `dispatch_seq` comes from the dispatcher (one per decision), so the
 policy holds no counter and stays a pure function; when the eligible set changes the rotation simply continues
@@ -14,10 +14,22 @@ from typing import ClassVar
 
 from gateway.domain import ClusterSnapshot, EngineId, RequestFeatures
 from gateway.policies.base import eligible
+from gateway.policies.params import PolicyParams
+
+
+class RoundRobinParams(PolicyParams):
+    """No parameters: any key is rejected."""
 
 
 class RoundRobinPolicy:
     NAME: ClassVar[str] = "round_robin"
+
+    def __init__(self, params: RoundRobinParams | None = None) -> None:
+        self._params = params if params is not None else RoundRobinParams()
+
+    @property
+    def params(self) -> RoundRobinParams:
+        return self._params
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         engines = sorted(eligible(features, snapshot), key=lambda e: e.engine_id)

@@ -1,6 +1,6 @@
 """Session affinity: keep a conversation on the engine that holds its prefix cache.
 
-Owns: `SessionAffinityPolicy` and `is_saturated`.
+Owns: `SessionAffinityPolicy`, its parameters `SessionAffinityParams` and `is_saturated`.
 Rule: with s = features.session_engine, pick s when all hold:
   1. s is not None and s is eligible (right model, ready, fresh, not excluded);
   2. the session record is live: features.now_s - features.session_last_used_s <= ttl_s;
@@ -9,20 +9,39 @@ Rule: with s = features.session_engine, pick s when all hold:
      waiting + requests dispatched since the last report.
 Otherwise delegate the whole decision to the fallback policy (default least loaded) over the same snapshot;
 the fallback may pick s again (e.g. an expired session on the least loaded engine).
+Parameters: `ttl_s` >= 0, `min_kv_free_ratio` in [0, 1], `fallback` (a policy name, not this one) and
+`fallback_params`. The registry builds the fallback from those two (`make_policy`) and hands it in; this
+module builds only the default one, least loaded with default parameters.
 Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state (the session table lives in
 the cluster store and reaches the policy through `RequestFeatures`).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
+
+from pydantic import Field, StrictFloat, StrictStr, field_validator
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import Policy, eligible
 from gateway.policies.least_loaded import LeastLoadedPolicy
+from gateway.policies.params import NonNegative, PolicyParams
 
-DEFAULT_TTL_S = 600.0
-DEFAULT_MIN_KV_FREE_RATIO = 0.05
+_NAME = "session_affinity"
+
+
+class SessionAffinityParams(PolicyParams):
+    ttl_s: NonNegative = 600.0
+    min_kv_free_ratio: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.05
+    fallback: StrictStr = LeastLoadedPolicy.NAME
+    fallback_params: dict[str, object] = Field(default_factory=dict)
+
+    @field_validator("fallback")
+    @classmethod
+    def _not_itself(cls, value: str) -> str:
+        if value == _NAME:
+            raise ValueError(f"{_NAME} cannot fall back to itself")
+        return value
 
 
 def is_saturated(engine: EngineView, min_kv_free_ratio: float) -> bool:
@@ -33,22 +52,30 @@ def is_saturated(engine: EngineView, min_kv_free_ratio: float) -> bool:
 
 
 class SessionAffinityPolicy:
-    NAME: ClassVar[str] = "session_affinity"
+    NAME: ClassVar[str] = _NAME
 
     def __init__(
-        self,
-        *,
-        ttl_s: float = DEFAULT_TTL_S,
-        min_kv_free_ratio: float = DEFAULT_MIN_KV_FREE_RATIO,
-        fallback: Policy | None = None,
+        self, params: SessionAffinityParams | None = None, *, fallback: Policy | None = None
     ) -> None:
-        if ttl_s < 0:
-            raise ValueError(f"ttl_s must be >= 0, got {ttl_s}")
-        if not 0.0 <= min_kv_free_ratio <= 1.0:
-            raise ValueError(f"min_kv_free_ratio must be in [0, 1], got {min_kv_free_ratio}")
-        self._ttl_s = ttl_s
-        self._min_kv_free_ratio = min_kv_free_ratio
-        self._fallback: Policy = fallback if fallback is not None else LeastLoadedPolicy()
+        """`fallback` is the policy `params` names, built from `params.fallback_params`; it may be left out
+        only when `params` keep the default fallback (least loaded, no parameters)."""
+        params = params if params is not None else SessionAffinityParams()
+        if fallback is None:
+            if params.fallback != LeastLoadedPolicy.NAME or params.fallback_params:
+                raise ValueError(
+                    f"build the configured fallback {params.fallback!r} with make_policy and pass it in"
+                )
+            fallback = LeastLoadedPolicy()
+        elif fallback.NAME != params.fallback:
+            raise ValueError(f"fallback is a {fallback.NAME!r} policy, but params name {params.fallback!r}")
+        self._params = params
+        self._ttl_s = params.ttl_s
+        self._min_kv_free_ratio = params.min_kv_free_ratio
+        self._fallback: Policy = fallback
+
+    @property
+    def params(self) -> SessionAffinityParams:
+        return self._params
 
     @property
     def fallback(self) -> Policy:

@@ -1,6 +1,7 @@
 """Static weighted: weighted random routing by offline per-engine weights (NexusSched §7.4's baseline).
 
-Owns: `StaticWeightedPolicy`, `GPU_CLASS_WEIGHTS` and `gpu_class_weight`.
+Owns: `StaticWeightedPolicy`, its parameters `StaticWeightedParams` (`weights` and `default_weight`, each
+>= 0 and finite), `GPU_CLASS_WEIGHTS` and `gpu_class_weight`.
 Weights, over the eligible engines E (`base.eligible`):
   1. configured (`weights`: {engine id or profile name: weight}, e.g. offline-profiled QPS): an engine's
      weight is the entry for its id (the live gateway's engine ids are the agents' host:port addresses;
@@ -23,8 +24,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import ClassVar
 
+from pydantic import Field
+
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
+from gateway.policies.params import NonNegativeFinite, PolicyParams
 
 
 def _relative(dense_bf16_tflops: float, memory_bandwidth_gb_s: float) -> float:
@@ -61,19 +65,22 @@ def gpu_class_weight(profile: str) -> float | None:
     return weight * int(tp_text) if tp_text.isdigit() and int(tp_text) > 0 else None
 
 
+class StaticWeightedParams(PolicyParams):
+    weights: dict[str, NonNegativeFinite] = Field(default_factory=dict)  # engine id or profile -> weight
+    default_weight: NonNegativeFinite = 1.0
+
+
 class StaticWeightedPolicy:
     NAME: ClassVar[str] = "static_weighted"
 
-    def __init__(self, weights: Mapping[str, float] | None = None, default_weight: float = 1.0) -> None:
-        checked: dict[str, float] = {}
-        for key, value in (weights or {}).items():
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"weight of {key!r} must be >= 0 and finite, got {value}")
-            checked[key] = float(value)
-        if not (default_weight >= 0 and math.isfinite(default_weight)):
-            raise ValueError(f"default_weight must be >= 0 and finite, got {default_weight}")
-        self._weights: Mapping[str, float] = MappingProxyType(checked)
-        self._default_weight = float(default_weight)
+    def __init__(self, params: StaticWeightedParams | None = None) -> None:
+        self._params = params if params is not None else StaticWeightedParams()
+        self._weights: Mapping[str, float] = MappingProxyType(dict(self._params.weights))
+        self._default_weight = self._params.default_weight
+
+    @property
+    def params(self) -> StaticWeightedParams:
+        return self._params
 
     def weights(self, engines: tuple[EngineView, ...]) -> list[float]:
         """Each engine's weight by the module docstring's rules."""

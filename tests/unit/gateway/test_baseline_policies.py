@@ -20,10 +20,15 @@ from gateway.domain import (
     EngineUnavailable,
     RequestFeatures,
 )
-from gateway.policies.latency_based import LatencyBasedPolicy
-from gateway.policies.least_loaded import LeastLoadedPolicy
+from gateway.policies.latency_based import LatencyBasedParams, LatencyBasedPolicy
+from gateway.policies.least_loaded import LeastLoadedParams, LeastLoadedPolicy
 from gateway.policies.registry import make_policy
-from gateway.policies.static_weighted import GPU_CLASS_WEIGHTS, StaticWeightedPolicy, gpu_class_weight
+from gateway.policies.static_weighted import (
+    GPU_CLASS_WEIGHTS,
+    StaticWeightedParams,
+    StaticWeightedPolicy,
+    gpu_class_weight,
+)
 
 # ---- latency based -----------------------------------------------------------------------------------------
 
@@ -72,7 +77,7 @@ def test_latency_based(
 def test_latency_based_ttft_metric() -> None:
     snap = snapshot(engine("a", **lat(1.0, ttft_s=0.5)), engine("b", **lat(3.0, ttft_s=0.1)))
     assert LatencyBasedPolicy().pick(features(), snap) == "a"
-    assert LatencyBasedPolicy("ttft").pick(features(), snap) == "b"
+    assert LatencyBasedPolicy(LatencyBasedParams(metric="ttft")).pick(features(), snap) == "b"
     assert make_policy("latency_based", {"metric": "ttft"}).pick(features(), snap) == "b"
 
 
@@ -119,7 +124,7 @@ def test_latency_based_over_the_cluster_state_window_forgets_old_samples() -> No
     assert [(e.recent_e2e_s, e.recent_latency_samples) for e in snap.engines] == [(1.0, 1), (1.5, 2)]
     assert policy.pick(features(now_s=12.0), snap) == "a"
     snap = state.snapshot(20.0)  # everything forgotten
-    assert [(e.recent_e2e_s, e.recent_latency_samples) for e in snap.engines] == [(0.0, 0), (0.0, 0)]
+    assert [(e.recent_e2e_s, e.recent_latency_samples) for e in snap.engines] == [(None, 0), (None, 0)]
 
 
 # ---- static weighted ---------------------------------------------------------------------------------------
@@ -139,7 +144,7 @@ def shares(policy: Any, snap: ClusterSnapshot, n: int = 1000, *, seed: int | Non
 
 
 def test_static_weighted_distributes_exactly_by_weight_over_evenly_spread_draws() -> None:
-    policy = StaticWeightedPolicy({"a": 4, "b": 3, "c": 2, "d": 1})
+    policy = StaticWeightedPolicy(StaticWeightedParams(weights={"a": 4, "b": 3, "c": 2, "d": 1}))
     assert shares(policy, FOUR) == {"a": 0.4, "b": 0.3, "c": 0.2, "d": 0.1}
 
 
@@ -156,7 +161,7 @@ def test_static_weighted_distributes_by_weight_within_5_percent_over_seeded_draw
     [
         (
             "by profile, an id entry overriding it, default weight for the rest",
-            StaticWeightedPolicy({"h100": 3, "c": 1}, default_weight=0.0),
+            StaticWeightedPolicy(StaticWeightedParams(weights={"h100": 3, "c": 1}, default_weight=0.0)),
             snapshot(
                 engine("a", profile="h100"),
                 engine("b", profile="h100"),
@@ -191,13 +196,13 @@ def test_static_weighted_distributes_by_weight_within_5_percent_over_seeded_draw
         ),
         (
             "all weights zero: uniform",
-            StaticWeightedPolicy({"a": 0, "b": 0}),
+            StaticWeightedPolicy(StaticWeightedParams(weights={"a": 0, "b": 0})),
             snapshot(engine("a"), engine("b")),
             {"a": 0.5, "b": 0.5},
         ),
         (
             "excluded and not-ready engines get nothing",
-            StaticWeightedPolicy({"a": 1, "b": 1, "c": 1, "d": 1}),
+            StaticWeightedPolicy(StaticWeightedParams(weights={"a": 1, "b": 1, "c": 1, "d": 1})),
             snapshot(engine("a"), engine("b", ready=False), engine("c", stale=True), engine("d")),
             {"a": 0.5, "d": 0.5},
         ),
@@ -249,10 +254,8 @@ def test_least_loaded_by_tokens_or_queue_length(measure: str, expected: str) -> 
         engine("c", num_running=2, num_waiting=1, pending_prefill_tokens=300),
     )
     assert make_policy("least_loaded", {"measure": measure}).pick(features(), snap) == expected
-    assert (
-        LeastLoadedPolicy(measure="requests" if measure == "requests" else "tokens").pick(features(), snap)
-        == expected
-    )
+    params = LeastLoadedParams(measure="requests" if measure == "requests" else "tokens")
+    assert LeastLoadedPolicy(params).pick(features(), snap) == expected
 
 
 # ---- registry ----------------------------------------------------------------------------------------------
@@ -261,14 +264,42 @@ def test_least_loaded_by_tokens_or_queue_length(measure: str, expected: str) -> 
 @pytest.mark.parametrize(
     ("name", "params", "message"),
     [
-        ("latency_based", {"metric": "p99"}, "'metric' must be one of ['e2e', 'ttft']"),
-        ("latency_based", {"window_s": 2}, "unknown parameters ['window_s']"),
-        ("static_weighted", {"weights": {"a": -1}}, "weight of 'a' must be >= 0"),
-        ("static_weighted", {"weights": {"a": "x"}}, "'weights.a' must be a number"),
-        ("static_weighted", {"weights": [1, 2]}, "'weights' must be a mapping"),
-        ("static_weighted", {"default_weight": -2}, "default_weight must be >= 0"),
-        ("static_weighted", {"qps": 1}, "unknown parameters ['qps']"),
-        ("least_loaded", {"measure": "kv"}, "'measure' must be one of ['tokens', 'requests']"),
+        (
+            "latency_based",
+            {"metric": "p99"},
+            "policy 'latency_based': metric: Input should be 'e2e' or 'ttft'",
+        ),
+        (
+            "latency_based",
+            {"window_s": 2},
+            "policy 'latency_based': window_s: Extra inputs are not permitted",
+        ),
+        (
+            "static_weighted",
+            {"weights": {"a": -1}},
+            "policy 'static_weighted': weights.a: Input should be greater than or equal to 0",
+        ),
+        (
+            "static_weighted",
+            {"weights": {"a": "x"}},
+            "policy 'static_weighted': weights.a: Input should be a valid number",
+        ),
+        (
+            "static_weighted",
+            {"weights": [1, 2]},
+            "policy 'static_weighted': weights: Input should be a valid dictionary",
+        ),
+        (
+            "static_weighted",
+            {"default_weight": -2},
+            "policy 'static_weighted': default_weight: Input should be greater than or equal to 0",
+        ),
+        ("static_weighted", {"qps": 1}, "policy 'static_weighted': qps: Extra inputs are not permitted"),
+        (
+            "least_loaded",
+            {"measure": "kv"},
+            "policy 'least_loaded': measure: Input should be 'tokens' or 'requests'",
+        ),
     ],
 )
 def test_registry_rejects_bad_baseline_parameters(name: str, params: dict[str, object], message: str) -> None:

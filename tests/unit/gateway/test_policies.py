@@ -12,7 +12,7 @@ from gateway.policies.least_loaded import LeastLoadedPolicy
 from gateway.policies.prism import PrismPolicy
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.policies.round_robin import RoundRobinPolicy
-from gateway.policies.session_affinity import SessionAffinityPolicy, is_saturated
+from gateway.policies.session_affinity import SessionAffinityParams, SessionAffinityPolicy, is_saturated
 from gateway.policies.static_weighted import StaticWeightedPolicy
 
 THREE = snapshot(engine("c"), engine("a"), engine("b"))
@@ -204,7 +204,7 @@ PAIR = snapshot(S_FREE, IDLE)
 def test_session_affinity(
     case: str, snap: ClusterSnapshot, feats: RequestFeatures, expected: str | None
 ) -> None:
-    policy = SessionAffinityPolicy(ttl_s=60.0, min_kv_free_ratio=0.05)
+    policy = SessionAffinityPolicy(SessionAffinityParams(ttl_s=60.0, min_kv_free_ratio=0.05))
     assert policy.pick(feats, snap) == expected, case
 
 
@@ -282,21 +282,53 @@ def test_session_affinity_default_fallback_is_least_loaded() -> None:
             "unknown policy 'nope'; known policies: latency_based, least_loaded, prism, round_robin, "
             "session_affinity, static_weighted",
         ),
-        ("round_robin", {"x": 1}, "takes no parameters"),
-        ("least_loaded", {"x": 1}, "unknown parameters ['x']"),
-        ("session_affinity", {"ttl": 1}, "unknown parameters ['ttl']"),
-        ("session_affinity", {"ttl_s": "10"}, "'ttl_s' must be a number"),
-        ("session_affinity", {"ttl_s": True}, "'ttl_s' must be a number"),
-        ("session_affinity", {"ttl_s": -1.0}, "ttl_s must be >= 0"),
-        ("session_affinity", {"min_kv_free_ratio": 1.5}, "min_kv_free_ratio must be in [0, 1]"),
-        ("session_affinity", {"fallback": "session_affinity"}, "cannot fall back to itself"),
-        ("session_affinity", {"fallback": "nope"}, "unknown policy 'nope'"),
-        ("session_affinity", {"fallback": 3}, "must be a policy name"),
-        ("session_affinity", {"fallback_params": [1]}, "must be a mapping"),
+        ("round_robin", {"x": 1}, "policy 'round_robin': x: Extra inputs are not permitted"),
+        ("least_loaded", {"x": 1}, "policy 'least_loaded': x: Extra inputs are not permitted"),
+        ("session_affinity", {"ttl": 1}, "policy 'session_affinity': ttl: Extra inputs are not permitted"),
+        (
+            "session_affinity",
+            {"ttl_s": "10"},
+            "policy 'session_affinity': ttl_s: Input should be a valid number",
+        ),
+        (
+            "session_affinity",
+            {"ttl_s": True},
+            "policy 'session_affinity': ttl_s: Input should be a valid number",
+        ),
+        (
+            "session_affinity",
+            {"ttl_s": -1.0},
+            "policy 'session_affinity': ttl_s: Input should be greater than or equal to 0",
+        ),
+        (
+            "session_affinity",
+            {"min_kv_free_ratio": 1.5},
+            "policy 'session_affinity': min_kv_free_ratio: Input should be less than or equal to 1",
+        ),
+        (
+            "session_affinity",
+            {"fallback": "session_affinity"},
+            "policy 'session_affinity': fallback: session_affinity cannot fall back to itself",
+        ),
+        (
+            "session_affinity",
+            {"fallback": "nope"},
+            "policy 'session_affinity': fallback: unknown policy 'nope'",
+        ),
+        (
+            "session_affinity",
+            {"fallback": 3},
+            "policy 'session_affinity': fallback: Input should be a valid string",
+        ),
+        (
+            "session_affinity",
+            {"fallback_params": [1]},
+            "policy 'session_affinity': fallback_params: Input should be a valid dictionary",
+        ),
         (
             "session_affinity",
             {"fallback": "round_robin", "fallback_params": {"x": 1}},
-            "takes no parameters",
+            "policy 'session_affinity': fallback_params.x: Extra inputs are not permitted",
         ),
     ],
 )
