@@ -18,6 +18,18 @@ EngineId = NewType("EngineId", str)
 
 
 @dataclass(frozen=True, slots=True)
+class LensState:
+    """NexusSched's engine state vector (Eq. 8) as an engine running LENS reports it."""
+
+    predicted_batch_latency_s: float  # L-hat: predicted duration of the current batch
+    pending_work_tokens: float  # W
+    effective_free_kv_blocks: int  # M_free: free KV after reservations for queued requests
+    peak_throughput_tokens_per_s: float  # P_max (> 0)
+    prediction_error_ratio: float  # recent |predicted - observed| / observed iteration time
+    slo_risk: bool  # the engine's feasible latency interval is empty (it cannot meet its SLOs)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineView:
     """What the gateway knows about one engine at snapshot time."""
 
@@ -42,13 +54,7 @@ class EngineView:
     running_batch_tokens: int = 0
     max_num_seqs: int = 0
     last_iteration_s: float = 0.0  # duration of the engine's latest iteration (kept while it idles)
-    # LENS state vector, NexusSched Eq. 8 (zero when the engine does not run LENS; `has_lens` tells).
-    predicted_batch_latency_s: float = 0.0  # L-hat: predicted duration of the current batch
-    pending_work_tokens: float = 0.0  # W
-    effective_free_kv_blocks: int = 0  # M_free: free KV after reservations for queued requests
-    peak_throughput_tokens_per_s: float = 0.0  # P_max
-    prediction_error_ratio: float = 0.0  # recent |predicted - observed| / observed iteration time
-    slo_risk: bool = False  # the engine's feasible latency interval is empty (it cannot meet its SLOs)
+    lens: LensState | None = None  # LENS's state vector; None when the engine does not run LENS
     # Gateway-side optimistic accounting: requests this gateway dispatched and not yet finished.
     inflight_requests: int = 0
     inflight_tokens: int = 0  # prompt + max output tokens of those requests (an upper bound)
@@ -57,9 +63,9 @@ class EngineView:
     unreported_tokens: int = 0  # prompt + max output tokens
     unreported_prompt_tokens: int = 0  # prompt tokens alone (estimates)
     # Observed by this gateway: mean latencies of requests that finished on the engine within the cluster
-    # state's latency window (0.0 with no sample there), measured from dispatch to first token / to finish.
-    recent_ttft_s: float = 0.0
-    recent_e2e_s: float = 0.0
+    # state's latency window (None with no sample there), measured from dispatch to first token / to finish.
+    recent_ttft_s: float | None = None
+    recent_e2e_s: float | None = None
     recent_latency_samples: int = 0
 
     @property
@@ -68,8 +74,8 @@ class EngineView:
 
     @property
     def has_lens(self) -> bool:
-        """Whether the engine reports LENS's state vector (P_max is positive whenever its model exists)."""
-        return self.peak_throughput_tokens_per_s > 0.0
+        """Whether the engine reports LENS's state vector."""
+        return self.lens is not None
 
     @property
     def queue_length(self) -> int:
@@ -115,10 +121,6 @@ class RequestFeatures:
     priority: int = 0
     exclude: frozenset[EngineId] = frozenset()  # engines already tried for this request
 
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
-
 
 @dataclass(frozen=True, slots=True)
 class ChatTurn:
@@ -136,7 +138,7 @@ class EngineRequest:
     messages: tuple[ChatTurn, ...] | None = None
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
-    max_tokens: int = 0  # 0 = up to the context limit
+    max_tokens: int | None = None  # None = up to the context limit
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -144,10 +146,10 @@ class EngineRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    slo_ttft_ms: float = 0.0
-    slo_tpot_ms: float = 0.0
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
     priority: int = 0
-    target_output_tokens: int = 0
+    target_output_tokens: int | None = None  # trace replay: the exact output length to produce
     session_id: str = ""
 
 
@@ -211,12 +213,7 @@ class EngineReport:
     kv_blocks_reserved: int
     pending_prefill_tokens: int
     running_batch_tokens: int
-    predicted_batch_latency_s: float = 0.0
-    pending_work_tokens: float = 0.0
-    effective_free_kv_blocks: int = 0
-    peak_throughput_tokens_per_s: float = 0.0
-    prediction_error_ratio: float = 0.0
-    slo_risk: bool = False
+    lens: LensState | None = None  # None when the engine does not run LENS
     last_iteration_s: float = 0.0
 
 

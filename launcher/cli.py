@@ -183,6 +183,7 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
             await asyncio.gather(starting, return_exceptions=True)
             return 130
         stopping.cancel()
+        await asyncio.gather(stopping, return_exceptions=True)
         starting.result()
         models = await _served_models(specs)
         config = GatewayConfig(

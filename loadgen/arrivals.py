@@ -62,11 +62,6 @@ def gamma_arrival_times_s(
     return np.concatenate(([0.0], np.cumsum(gaps_s)))
 
 
-def poisson_arrival_times_s(n: int, rate_per_s: float, rng: np.random.Generator) -> np.ndarray:
-    """Poisson arrivals: the gamma process with K=1 (identical draws to ``burstiness=1``)."""
-    return gamma_arrival_times_s(n, rate_per_s, 1.0, rng)
-
-
 def window_mask(trace_s: np.ndarray, start_s: float, duration_s: float | None) -> np.ndarray:
     """True where a trace time lies in ``[start_s, start_s + duration_s)``."""
     end_s = math.inf if duration_s is None else start_s + duration_s

@@ -43,6 +43,7 @@ from loadgen.datasets import Request, dataset_names, load_dataset
 from loadgen.live import (
     EngineTokenizer,
     LiveOptions,
+    LiveResult,
     TargetUnreachableError,
     fetch_models,
     prepare_requests,
@@ -236,7 +237,9 @@ def _write(args: argparse.Namespace, summary: dict[str, Any], config: dict[str, 
             print(f"plot: {png}")
 
 
-async def _live(args: argparse.Namespace, plan: list[tuple[float, Request]], spec: ArrivalSpec) -> int:
+async def _live(args: argparse.Namespace, plan: list[tuple[float, Request]],
+                spec: ArrivalSpec) -> tuple[LiveResult, str]:
+    """Replay `plan` against the target; the summary, files and plots are made after the loop is done."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         models = await fetch_models(session, args.target)
         model = args.model or (models[0] if models else None)
@@ -244,7 +247,10 @@ async def _live(args: argparse.Namespace, plan: list[tuple[float, Request]], spe
             raise UsageError(f"{args.target}/v1/models lists no model; pass --model")
         options = LiveOptions(target=args.target, model=model, max_concurrency=spec.max_concurrency,
                               request_timeout_s=args.request_timeout_s, api_key=args.api_key)
-        result = await run_live(plan, options, progress=not args.no_progress, session=session)
+        return await run_live(plan, options, progress=not args.no_progress, session=session), model
+
+
+def _report_live(args: argparse.Namespace, spec: ArrivalSpec, result: LiveResult, model: str) -> int:
     summary = summarize(result.outcomes, result.duration_s, _slo(args))
     _print_summary(f"live: {args.target}", summary)
     config = {**_base_config(args, spec), "model": model, "target": args.target, "tokenizer": args.tokenizer}
@@ -354,7 +360,8 @@ def main(argv: Sequence[str] | None = None, *, loop_factory: LoopFactory | None 
         requests = load_requests(args, tokenizer, synthesize=args.command == "run")
         if args.command == "run":
             with asyncio.Runner(loop_factory=loop_factory) as runner:
-                return runner.run(_live(args, schedule(requests, spec), spec))
+                result, model = runner.run(_live(args, schedule(requests, spec), spec))
+            return _report_live(args, spec, result, model)
         if args.command == "simulate":
             return _simulate(args, requests, spec)
         return _compare(args, requests, spec)

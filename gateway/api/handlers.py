@@ -150,8 +150,8 @@ class ApiHandlers:
             reqs = engine_requests(
                 parsed,
                 request_id=engine_request_id,
-                slo_ttft_ms=None if hints.slo_ttft_s is None else hints.slo_ttft_s * 1e3,
-                slo_tpot_ms=None if hints.slo_tpot_s is None else hints.slo_tpot_s * 1e3,
+                slo_ttft_s=hints.slo_ttft_s,
+                slo_tpot_s=hints.slo_tpot_s,
                 priority=hints.priority,
                 session_id=hints.session_id,
             )

@@ -19,7 +19,7 @@ report clears it. `inflight_*` lasts until `note_finish`.
 Latency window: `note_latency(engine, ttft_s, e2e_s, now_s)` records one finished request (the dispatcher
 calls it for successful requests only, with latencies measured from its dispatch to that engine). A sample
 taken at t counts in the snapshot at now_s while now_s - t < latency_window_s; `recent_ttft_s` /
-`recent_e2e_s` are the plain means of the counted samples (0.0, with `recent_latency_samples` 0, when none).
+`recent_e2e_s` are the plain means of the counted samples (None, with `recent_latency_samples` 0, when none).
 """
 
 from __future__ import annotations
@@ -285,8 +285,8 @@ class ClusterState:
         block_size = desc.block_size if desc is not None and desc.block_size > 0 else DEFAULT_BLOCK_SIZE
         max_num_seqs = desc.max_num_seqs if desc is not None else 0
         samples = len(state.latencies)
-        recent_ttft_s = state.ttft_sum_s / samples if samples else 0.0
-        recent_e2e_s = state.e2e_sum_s / samples if samples else 0.0
+        recent_ttft_s = state.ttft_sum_s / samples if samples else None
+        recent_e2e_s = state.e2e_sum_s / samples if samples else None
         if report is None:
             return EngineView(
                 engine_id=state.engine_id,
@@ -337,12 +337,7 @@ class ClusterState:
             pending_prefill_tokens=report.pending_prefill_tokens,
             running_batch_tokens=report.running_batch_tokens,
             last_iteration_s=report.last_iteration_s,
-            predicted_batch_latency_s=report.predicted_batch_latency_s,
-            pending_work_tokens=report.pending_work_tokens,
-            effective_free_kv_blocks=report.effective_free_kv_blocks,
-            peak_throughput_tokens_per_s=report.peak_throughput_tokens_per_s,
-            prediction_error_ratio=report.prediction_error_ratio,
-            slo_risk=report.slo_risk,
+            lens=report.lens,
         )
 
     def engine_ids(self) -> tuple[EngineId, ...]:

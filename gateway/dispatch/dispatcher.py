@@ -1,15 +1,14 @@
-"""One request's life, from routing to the last engine event.
+"""The live executor of a request's life: real engine streams, the real clock, the cluster store.
 
-Owns: `Dispatcher`: build `RequestFeatures` (clock, dispatch sequence and randomness are injected here, so the
-policy stays pure), take a snapshot, time `policy.pick`, `note_dispatch`, open the engine stream, relay its
-events to an `EventSink`, retry on `EngineUnavailable` before the first event (on engines not yet tried,
-bounded), fan out n choices and merge them by choice index, enforce the request timeout, close the engine
-stream whenever the relay ends early (the engine aborts), count client disconnects, `note_finish` always, and
-`note_latency` for each choice that finished successfully (its TTFT and E2E measured from the dispatch to the
-engine that served it, so a retry's earlier attempts do not count against that engine; this feeds the
-latency-based policy's windowed figures).
-Must not: format HTTP or SSE (the sink does), parse requests, or mutate the cluster beyond
-note_dispatch/finish/latency.
+Owns: `Dispatcher`: for each choice, run `ChoiceLife` (`gateway.dispatch.life`, the pure decisions the
+simulator runs too) with the clock reading, dispatch sequence number, random draw and snapshot it samples;
+execute its effects (note the dispatch, open the engine stream, retry elsewhere after `EngineUnavailable`
+before the first event, release the dispatch with `note_finish` however the attempt ends, record the latency
+sample of a successful finish); relay events to an `EventSink`; fan out n choices and merge them by choice
+index; enforce the request timeout; close the engine stream whenever the relay ends early (the engine aborts);
+count client disconnects; time each routing decision and hand it to `on_decision` (debug log by default). Must
+not: decide where to route or whether to retry (the life does), format HTTP or SSE (the sink does), parse
+requests, or mutate the cluster beyond note_dispatch/finish/latency.
 """
 
 from __future__ import annotations
@@ -19,10 +18,19 @@ import contextlib
 import itertools
 import logging
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
+from gateway.dispatch.features import RoutingHints
+from gateway.dispatch.life import (
+    DEFAULT_MAX_ATTEMPTS,
+    ChoiceLife,
+    Decision,
+    GiveUp,
+    Moment,
+    StreamFailed,
+    record_dispatch,
+)
 from gateway.dispatch.policy_set import PolicySet
 from gateway.domain import (
     ClusterSnapshot,
@@ -95,8 +103,9 @@ class Dispatcher:
         clock: Clock,
         rng: random.Random,
         metrics: GatewayMetrics,
-        max_attempts: int = 3,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         request_timeout_s: float = 600.0,
+        on_decision: Callable[[Decision], None] | None = None,
     ) -> None:
         self._state = state
         self._policies = policies
@@ -107,6 +116,7 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self._seq = itertools.count()
         self._shutting_down = False
+        self._on_decision = on_decision or _log_decision
 
     def begin_shutdown(self) -> None:
         """From now on a cancelled relay is the server draining, not a client disconnect."""
@@ -172,99 +182,96 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def generate(self, request: EngineRequest, hints: RoutingHints) -> AsyncIterator[EngineEvent]:
-        """One choice's events, routed and retried before the first event; use under `contextlib.aclosing`."""
-        tried: set[EngineId] = set()
-        prompt_tokens = estimate_prompt_tokens(request)
+        """One choice's events, routed and retried before the first event; use under `contextlib.aclosing`.
+
+        The decisions are `ChoiceLife`'s (the simulator runs the same); this method executes them: it samples
+        the clock, the dispatch counter, the randomness and the snapshot for each decision, opens and closes
+        engine streams, and applies the ledger effects to the cluster store.
+        """
         session_engine: EngineId | None = None
         session_last_used_s = 0.0
         if hints.session_id:
             session_engine, session_last_used_s = self._state.session_lookup(hints.session_id)
-        last_error: EngineUnavailable | None = None
-        for _ in range(self._max_attempts):
-            now_s = self._clock.now()
-            features = build_features(
-                request,
-                hints,
-                prompt_tokens=prompt_tokens,
-                now_s=now_s,
-                dispatch_seq=next(self._seq),
-                rand=self._rng.random(),
-                session_engine=session_engine,
-                session_last_used_s=session_last_used_s,
-                exclude=frozenset(tried),
-            )
-            policy_name, policy = self._policies.resolve(hints.policy_name)
-            snapshot = self._state.snapshot()
+        life = ChoiceLife(request, hints, session_engine=session_engine,
+                          session_last_used_s=session_last_used_s, max_attempts=self._max_attempts)
+        policy_name, policy = self._policies.resolve(hints.policy_name)
+        state = self._state
+        while True:
             started_s = self._clock.now()
-            engine_id = policy.pick(features, snapshot)
+            moment = Moment(started_s, next(self._seq), self._rng.random(), state.snapshot())
+            decision = life.route(policy, moment)
             self._metrics.routing_decision.labels(policy_name).observe(self._clock.now() - started_s)
-            if engine_id is None:
-                break
-            client = self._state.client(engine_id)
-            tried.add(engine_id)
-            self._state.note_dispatch(
-                engine_id, request.request_id, prompt_tokens, features.max_tokens, hints.session_id, now_s
-            )
+            self._on_decision(decision)
+            if isinstance(decision, GiveUp):
+                raise NoEngineAvailable(decision.message)
+            engine_id = decision.engine_id
+            client = state.client(engine_id)
+            record_dispatch(state, decision)
             stream = client.generate(request)
             try:
                 try:
                     first = await anext(stream)
                 except (EngineUnavailable, StopAsyncIteration) as e:
-                    last_error = e if isinstance(e, EngineUnavailable) else EngineUnavailable("empty stream")
-                    log.info(
-                        "request %s: engine %s unavailable (%s); retrying elsewhere",
-                        request.request_id,
-                        engine_id,
-                        last_error,
-                    )
+                    error = e if isinstance(e, EngineUnavailable) else EngineUnavailable("empty stream")
+                    life.on_unavailable(str(error))
+                    log.info("request %s: engine %s unavailable (%s); retrying elsewhere",
+                             request.request_id, engine_id, error)
                     self._metrics.retries.inc()
                     continue
+                life.on_first_event()
                 timing = _ChoiceTiming(hints.arrival_s)
-                self._observe(first, timing)
+                if self._observe(first, timing, life):
+                    yield first
+                    return
                 yield first
-                finished = isinstance(first, Finished)
-                if not finished:
-                    async for event in stream:
-                        self._observe(event, timing)
-                        yield event
-                        if isinstance(event, Finished):
-                            finished = True
-                            break
-                if not finished:
-                    raise EngineStreamError("engine stream ended without a finish event")
-                done_s = self._clock.now()
-                first_s = timing.first_token_s if timing.first_token_s is not None else done_s
-                self._state.note_latency(engine_id, first_s - now_s, done_s - now_s, done_s)
-                return
+                async for event in stream:
+                    finished = self._observe(event, timing, life)
+                    yield event
+                    if finished:
+                        return
+                raise EngineStreamError("engine stream ended without a finish event")
             finally:
                 try:
                     with contextlib.suppress(Exception):
                         await stream.aclose()  # type: ignore[attr-defined]  # cancels the engine request
                 finally:
-                    self._state.note_finish(engine_id, request.request_id)
-        detail = f" after {len(tried)} unavailable engine(s): {last_error}" if last_error else ""
-        raise NoEngineAvailable(f"no engine for model {request.model!r}{detail}")
+                    released = life.on_closed()
+                    if released is not None:
+                        state.note_finish(released, request.request_id)
 
-    def _observe(self, event: EngineEvent, timing: _ChoiceTiming) -> None:
-        """Record TTFT / inter-token / end-to-end latency; turn an error finish into `EngineStreamError`."""
+    def _observe(self, event: EngineEvent, timing: _ChoiceTiming, life: ChoiceLife) -> bool:
+        """Feed `event` to the life and the latency metrics; True on a successful finish (its latency sample
+        is recorded); an error finish raises `EngineStreamError`."""
         if isinstance(event, Delta):
             now_s = self._clock.now()
+            life.on_token(now_s)
             if timing.last_token_s is None:
-                timing.first_token_s = now_s
                 self._metrics.ttft.observe(now_s - timing.arrival_s)
             else:
                 self._metrics.itl.observe(now_s - timing.last_token_s)
             timing.last_token_s = now_s
-        elif isinstance(event, Finished):
-            if event.finish_reason in ("error", "abort"):
-                raise EngineStreamError(event.error_message or f"engine finished with {event.finish_reason}")
-            self._metrics.e2e.observe(self._clock.now() - timing.arrival_s)
+            return False
+        if isinstance(event, Finished):
+            now_s = self._clock.now()
+            outcome = life.on_finished(event, now_s)
+            if isinstance(outcome, StreamFailed):
+                raise EngineStreamError(outcome.message)
+            self._metrics.e2e.observe(now_s - timing.arrival_s)
+            self._state.note_latency(outcome.engine_id, outcome.ttft_s, outcome.e2e_s, outcome.now_s)
+            return True
+        return False
+
+
+def _log_decision(decision: Decision) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("routing decision: %s", decision)
 
 
 class _ChoiceTiming:
-    __slots__ = ("arrival_s", "first_token_s", "last_token_s")
+    """Client-facing latency metrics of one choice (from the request's arrival, retries included)."""
+
+    __slots__ = ("arrival_s", "last_token_s")
 
     def __init__(self, arrival_s: float) -> None:
         self.arrival_s = arrival_s
-        self.first_token_s: float | None = None
         self.last_token_s: float | None = None

@@ -31,6 +31,7 @@ from gateway.domain import (
     EngineStreamError,
     EngineUnavailable,
     Finished,
+    LensState,
 )
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
@@ -47,9 +48,14 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
+def _ms(seconds: float | None) -> float:
+    """Seconds inside, milliseconds on the wire (0 = no target)."""
+    return 0.0 if seconds is None else seconds * 1e3
+
+
 def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
-        max_tokens=request.max_tokens,
+        max_tokens=request.max_tokens or 0,  # proto: 0 = up to the context limit
         min_tokens=request.min_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
@@ -62,9 +68,9 @@ def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
     message = pb.GenerateRequest(
         request_id=request.request_id,
         sampling=sampling,
-        slo=pb.SloTargets(ttft_ms=request.slo_ttft_ms, tpot_ms=request.slo_tpot_ms),
+        slo=pb.SloTargets(ttft_ms=_ms(request.slo_ttft_s), tpot_ms=_ms(request.slo_tpot_s)),
         priority=request.priority,
-        target_output_tokens=request.target_output_tokens,
+        target_output_tokens=request.target_output_tokens or 0,  # proto: 0 = not given
         session_id=request.session_id,
     )
     if request.messages is not None:
@@ -113,7 +119,7 @@ def from_generate_event(event: pb.GenerateEvent) -> EngineEvent:
 
 
 def from_engine_state(state: pb.EngineState) -> EngineReport:
-    ident, lens = state.identity, state.lens
+    ident = state.identity
     return EngineReport(
         engine_id=EngineId(ident.engine_id),
         model=ident.model,
@@ -131,13 +137,23 @@ def from_engine_state(state: pb.EngineState) -> EngineReport:
         kv_blocks_reserved=state.kv_blocks_reserved,
         pending_prefill_tokens=state.pending_prefill_tokens,
         running_batch_tokens=state.running_batch_tokens,
+        lens=_lens_state(state),
+        last_iteration_s=state.last_iteration_s,
+    )
+
+
+def _lens_state(state: pb.EngineState) -> LensState | None:
+    """The wire carries LENS's figures as zeros when the engine runs no LENS model; P_max > 0 tells."""
+    if not state.HasField("lens") or state.lens.peak_throughput_tokens_per_s <= 0.0:
+        return None
+    lens = state.lens
+    return LensState(
         predicted_batch_latency_s=lens.predicted_batch_latency_s,
         pending_work_tokens=lens.pending_work_tokens,
         effective_free_kv_blocks=lens.effective_free_kv_blocks,
         peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
         prediction_error_ratio=lens.prediction_error_ratio,
         slo_risk=lens.slo_risk,
-        last_iteration_s=state.last_iteration_s,
     )
 
 
@@ -229,14 +245,6 @@ class GrpcEngineClient:
             call.cancel()  # a no-op once the call is done; otherwise the agent sees the cancel and aborts
         detail = f"Generate {request.request_id} on {self._address} ended without a finish event"
         raise EngineStreamError(detail) if started else EngineUnavailable(detail)
-
-    async def abort(self, request_id: str) -> None:
-        """Abort on the agent (idempotent there); EngineUnavailable when the agent cannot be reached."""
-        stub = self._get_stub()
-        try:
-            await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._connect_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise EngineUnavailable(f"Abort on {self._address}: {_describe_rpc_error(exc)}") from exc
 
     async def watch_state(self) -> AsyncIterator[EngineReport]:
         stub = await self._connected_stub()

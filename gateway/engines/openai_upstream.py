@@ -82,7 +82,7 @@ def build_body(request: EngineRequest) -> tuple[str, dict[str, Any]]:
         body["prompt"] = list(request.prompt_token_ids)
     else:
         raise EngineRequestError(f"request {request.request_id!r} has no prompt")
-    if request.max_tokens > 0:
+    if request.max_tokens is not None:
         body["max_tokens"] = request.max_tokens
     if request.seed is not None:
         body["seed"] = request.seed
@@ -269,9 +269,6 @@ class OpenAIUpstreamClient:
                     pass
         except TimeoutError:
             resp.close()
-
-    async def abort(self, request_id: str) -> None:
-        """OpenAI servers have no abort call: closing the generate stream is what aborts there."""
 
     async def watch_state(self) -> AsyncIterator[EngineReport]:
         seq = 0

@@ -1,10 +1,11 @@
 """Engine state as the gateway receives it, in virtual time: the stats -> report translation and the
 WatchState stream of one simulated engine.
 
-Owns: `report_from_stats` (what the agent's WatchState servicer plus the gateway's gRPC client make of an
-`EngineStats`: the live path is `AgentService._state` then `grpc_client.from_engine_state`), `describe_engine`
-(GetInfo then `from_engine_info`), `ChangeGate` (the sim backend's rule for a change-triggered push), and
-`ReportFeed`, one engine's stream of reports with its send times, sequence numbers and delivery delay.
+Owns: `report_from_stats`, which is the live translation itself, composed: the agent's WatchState encoding
+(`engine_agent.proto_codec.engine_state`) then the gateway's decoding (`grpc_client.from_engine_state`);
+`describe_engine` (what GetInfo plus `from_engine_info` give for a sim agent); and `ReportFeed`, one engine's
+stream of reports with its send times, sequence numbers and delivery delay, pushed by the sim backend's own
+change rule (`engine_agent.sim.reporting.ChangeGate`).
 Must not: read clocks, know the event heap or policies, or change an engine (it only reads `stats`).
 
 Send times follow the agent: a report when the stream opens, one at once after each significant change, and
@@ -20,11 +21,16 @@ once per wake-up, with the state of that moment).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from engine_agent.domain import EngineStats
-from engine_agent.sim.engine import IterationRecord, SimEngine
+from engine_agent.proto_codec import engine_state
+from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.profiles import Profile
+from engine_agent.sim.reporting import ChangeGate
 from gateway.domain import EngineDescription, EngineId, EngineReport
+from gateway.engines.grpc_client import from_engine_state
+from switchyard.proto_gen import engine_agent_pb2 as pb
 
 SIM_BACKEND = "sim"
 
@@ -53,76 +59,23 @@ def report_from_stats(
     draining: bool = False,
     timestamp_s: float | None = None,
 ) -> EngineReport:
-    """The `EngineReport` the gateway receives for `stats` sent with sequence number `seq`.
+    """The `EngineReport` the gateway receives for `stats` sent with sequence number `seq`: the agent's proto
+    encoding decoded by the gateway's gRPC client, as on the wire.
 
     `timestamp_s` overrides `stats.timestamp_s` when the same figures are re-sent later (an unchanged engine).
     """
-    lens = stats.lens
-    return EngineReport(
-        engine_id=identity.engine_id,
-        model=identity.model,
-        profile=identity.profile,
-        backend=identity.backend,
-        role=identity.role,
-        seq=seq,
-        engine_timestamp_s=stats.timestamp_s if timestamp_s is None else timestamp_s,
-        ready=stats.ready and not draining,
-        draining=draining or stats.draining,
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting,
-        kv_blocks_total=stats.kv_blocks_total,
-        kv_blocks_free=stats.kv_blocks_free,
-        kv_blocks_reserved=stats.kv_blocks_reserved,
-        pending_prefill_tokens=stats.pending_prefill_tokens,
-        running_batch_tokens=stats.running_batch_tokens,
-        predicted_batch_latency_s=lens.predicted_batch_latency_s,
-        pending_work_tokens=lens.pending_work_tokens,
-        effective_free_kv_blocks=lens.effective_free_kv_blocks,
-        peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
-        prediction_error_ratio=lens.prediction_error_ratio,
-        slo_risk=lens.slo_risk,
-        last_iteration_s=stats.last_iteration_s,
-    )
-
-
-class ChangeGate:
-    """`SimBackend._publish`'s rule: a change is significant when the running, waiting or preempted counts
-    differ from the last published ones, or free KV moved by at least 1% of the cache (one block at least).
-
-    `waiting_seen` is the waiting count at the last check. While it is 0, an iteration without finishes or
-    preemptions cannot change the counts (nothing can be admitted), so `iteration_may_matter` lets the runner
-    skip the check and its stats read after most iterations with the same outcome.
-    """
-
-    __slots__ = ("_key", "published_free", "kv_step_blocks", "waiting_seen")
-
-    def __init__(self, kv_blocks_total: int) -> None:
-        self._key = (0, 0, 0)
-        self.published_free = kv_blocks_total
-        self.kv_step_blocks = max(1, kv_blocks_total // 100)
-        self.waiting_seen = 0
-
-    def significant(self, stats: EngineStats) -> bool:
-        """Whether `stats` is a significant change; if so it becomes the published state."""
-        self.waiting_seen = stats.num_waiting
-        key = (stats.num_running, stats.num_waiting, stats.num_preempted_total)
-        if key == self._key and abs(stats.kv_blocks_free - self.published_free) < self.kv_step_blocks:
-            return False
-        self._key = key
-        self.published_free = stats.kv_blocks_free
-        return True
-
-    def iteration_may_matter(self, record: IterationRecord, finished: bool) -> bool:
-        """False only when the iteration of `record` provably left the significant figures unchanged."""
-        return (finished or record.num_preempted > 0 or self.waiting_seen > 0
-                or abs(record.kv_blocks_free_after - self.published_free) >= self.kv_step_blocks)
+    if timestamp_s is not None:
+        stats = replace(stats, timestamp_s=timestamp_s)
+    pb_identity = pb.EngineIdentity(engine_id=identity.engine_id, model=identity.model,
+                                    profile=identity.profile, backend=identity.backend, role=identity.role)
+    return from_engine_state(engine_state(stats, identity=pb_identity, seq=seq, draining=draining))
 
 
 class ReportFeed:
     """One engine's WatchState stream, as received by the gateway `delay_s` after each send."""
 
     __slots__ = ("_engine", "identity", "_interval_s", "_delay_s", "_seq", "_anchor_s", "_ticks",
-                 "next_due_s", "_pending", "gate", "_stats", "_stats_version")
+                 "next_due_s", "_pending", "gate", "_stats", "_stats_version", "_translated")
 
     def __init__(self, engine: SimEngine, identity: EngineDescription, *, interval_s: float,
                  delay_s: float) -> None:
@@ -141,6 +94,7 @@ class ReportFeed:
         self.gate = ChangeGate(engine.profile.kv_blocks_total)
         self._stats = engine.stats(0.0)
         self._stats_version = engine.change_counter
+        self._translated: tuple[EngineStats, EngineReport] | None = None  # the last translation, reused
 
     def _read(self) -> EngineStats:
         """The engine's current figures, re-read only when its change counter moved (their `timestamp_s` is
@@ -214,4 +168,13 @@ class ReportFeed:
         while pending and pending[0][0] + delay_s <= now_s:
             item = pending.popleft()
         sent_s, seq, stats = item
-        return report_from_stats(stats, self.identity, seq, timestamp_s=sent_s), sent_s + delay_s
+        return self._report(stats, seq, sent_s), sent_s + delay_s
+
+    def _report(self, stats: EngineStats, seq: int, sent_s: float) -> EngineReport:
+        """`report_from_stats` for one send. Consecutive sends of the same figures differ only in sequence
+        number and timestamp, so the wire translation runs once per distinct reading and is re-stamped."""
+        cached = self._translated
+        if cached is None or cached[0] is not stats:
+            cached = (stats, report_from_stats(stats, self.identity, seq))
+            self._translated = cached
+        return replace(cached[1], seq=seq, engine_timestamp_s=sent_s)

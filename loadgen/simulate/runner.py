@@ -1,12 +1,14 @@
 """`simulate`: replay a schedule of requests on a simulated fleet in virtual time, routed by a gateway policy.
 
-Owns: the event loop (arrivals and timeline samples in time order as sync points, each engine advanced
-through its iteration completions up to every sync point), the dispatch of each arrival (features,
-snapshot, `policy.pick`, `note_dispatch`, admission), and the per-request token times that become
+Owns: the event loop (arrivals and timeline samples in time order as sync points, each engine advanced through
+its iteration completions up to every sync point), executing each arrival's `ChoiceLife` in virtual time (the
+gateway's request-life core: a `Moment` per decision, the `Dispatch` recorded on `ClusterState`, admission on
+the engine, release and the latency sample at the finish), and the per-request token times that become
 `loadgen.metrics.Outcome`s.
-Must not: model engines (that is `SimEngine`, invariant I2), implement routing (the gateway's policies and
-`ClusterState` are called as they are, invariant I1), or read a clock other than the injected wall clock used
-only for `SimResult.wall_s` (virtual time is data, invariant I3).
+Must not: model engines (that is `SimEngine`, invariant I2), decide anything of a
+request's life (routing, retries, what a finish records: `gateway.dispatch.life` does, as it does live;
+invariant I1), or read a clock other than the injected wall clock used only for `SimResult.wall_s` (virtual
+time is data, invariant I3).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from operator import sub
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
 from gateway.cluster.state import ClusterState
-from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
-from gateway.domain import ChatTurn, EngineRequest
+from gateway.dispatch.features import RoutingHints
+from gateway.dispatch.life import ChoiceLife, Decision, GiveUp, Moment, RecordLatency, record_dispatch
+from gateway.domain import ChatTurn, EngineRequest, Finished
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome
@@ -30,10 +33,9 @@ from switchyard.clock import Clock, MonotonicClock
 IDLE_RETRY_S = 1e-3  # an iteration that scheduled nothing is retried this much later, as the sim backend does
 MAX_EMPTY_STEPS = 100_000  # empty iterations on one engine before the run is declared stuck
 CONNECT_LEAD_S = 1e-3  # engines connect this long (plus the report delay) before the first arrival
-NO_ENGINE = "no engine available"
 
 
-def _engine_request(request: Request, model: str, max_tokens: int, ignore_eos: bool,
+def engine_request_of(request: Request, model: str, max_tokens: int, ignore_eos: bool,
                     prompt_ids: PromptIds) -> EngineRequest:
     """The request as the gateway would see it: its text or messages when the trace has them (so the prompt
     estimate is the live one), else token ids of the exact prompt length."""
@@ -56,7 +58,8 @@ class _Run:
     """One simulation's mutable state; `simulate` builds it, runs it and throws it away."""
 
     def __init__(self, schedule: Sequence[tuple[float, Request]], nodes: list[SimNode], options: SimOptions,
-                 progress: Callable[[float], None] | None) -> None:
+                 progress: Callable[[float], None] | None,
+                 on_decision: Callable[[Decision], None] | None = None) -> None:
         self.schedule = sorted(schedule, key=lambda item: item[0])  # stable: ties keep their order
         ids = [r.request_id for _, r in self.schedule]
         if len(set(ids)) != len(ids):
@@ -65,6 +68,7 @@ class _Run:
         self.by_id = {n.engine_id: n for n in nodes}
         self.options = options
         self.progress = progress
+        self.on_decision = on_decision
         self.policy = make_policy(options.policy, options.policy_params)
         self.state = ClusterState(stale_after_s=options.stale_after_s)
         self.rng = random.Random(options.seed)
@@ -73,7 +77,7 @@ class _Run:
         self.t0 = self.schedule[0][0] if self.schedule else 0.0
         self.outcomes: list[Outcome | None] = [None] * len(self.schedule)
         self.times_of: dict[str, list[float]] = {}  # request id -> its token times, while in flight
-        self.info: dict[str, tuple[int, float]] = {}  # request id -> (schedule index, arrival time)
+        self.info: dict[str, tuple[int, ChoiceLife]] = {}  # request id -> (schedule index, its life)
         self.dispatch_seq = 0
         self.produced = 0  # output tokens delivered since the last timeline sample
         self.last_event_s = self.t0
@@ -125,32 +129,31 @@ class _Run:
             got = node.feed.receive(now_s)
             if got is not None:
                 on_report(node.engine_id, got[0], got[1])
-        snapshot = state.snapshot(now_s)
         session_id = request.session_id or ""
         session_engine, session_last_used_s = (
             state.session_lookup(session_id, now_s) if session_id else (None, 0.0))
         forced_tokens = request.output_tokens or 0
         forced = forced_tokens > 0
         max_tokens = forced_tokens if forced else self.options.max_output_tokens_default
-        engine_request = _engine_request(request, self.model, max_tokens, forced, self.prompt_ids)
-        prompt_estimate = estimate_prompt_tokens(engine_request)
+        engine_request = engine_request_of(request, self.model, max_tokens, forced, self.prompt_ids)
         options = self.options
         hints = RoutingHints(arrival_s=now_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
                              slo_tpot_s=options.slo_tpot_s)
-        features = build_features(
-            engine_request, hints,
-            prompt_tokens=prompt_estimate, now_s=now_s, dispatch_seq=self.dispatch_seq,
-            rand=self.rng.random(),
-            session_engine=session_engine, session_last_used_s=session_last_used_s, exclude=frozenset())
+        life = ChoiceLife(engine_request, hints, session_engine=session_engine,
+                          session_last_used_s=session_last_used_s)
+        decision = life.route(self.policy, Moment(now_s, self.dispatch_seq, self.rng.random(),
+                                                  state.snapshot(now_s)))
         self.dispatch_seq += 1
-        engine_id = self.policy.pick(features, snapshot)
-        if engine_id is None:
-            self._fail(index, now_s, request, f"{NO_ENGINE} for model {self.model!r}", None)
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        if isinstance(decision, GiveUp):
+            self._fail(index, now_s, request, decision.message, None)
             return
-        state.note_dispatch(engine_id, request.request_id, prompt_estimate, features.max_tokens, session_id,
-                            now_s)
+        record_dispatch(state, decision)
+        engine_id = decision.engine_id
         node = self.by_id[engine_id]
         rid = request.request_id
+        features = decision.features
         backend_request = BackendRequest(
             request_id=RequestId(rid), prompt_token_ids=self.prompt_ids(request.prompt_tokens),
             sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=forced), session_id=session_id,
@@ -159,16 +162,23 @@ class _Run:
         try:
             node.engine.add_request(backend_request, now_s)
         except ValueError as exc:  # live: the agent refuses it (INVALID_ARGUMENT), the gateway answers 400
-            state.note_finish(engine_id, rid)
+            self._release(life)
             self._fail(index, now_s, request, str(exc), node.engine_id)
             return
+        life.on_first_event()  # live: the agent's `admitted` event; no retry after it
         node.requests += 1
         self.times_of[rid] = []
-        self.info[rid] = (index, now_s)
+        self.info[rid] = (index, life)
         node.feed.on_change(now_s)
         if not node.busy:
             node.busy = True
             self._start_step(node, now_s)
+
+    def _release(self, life: ChoiceLife) -> None:
+        """Close the life's open attempt and release its dispatch, as the live dispatcher's `finally` does."""
+        released = life.on_closed()
+        if released is not None:
+            self.state.note_finish(released, life.request.request_id)
 
     def _start_step(self, node: SimNode, now_s: float) -> None:
         """Run the engine's next iteration at `now_s` (an idle engine woken by an admission)."""
@@ -233,10 +243,16 @@ class _Run:
 
     def _finish(self, node: SimNode, rid: str, event: FinishEvent, now_s: float) -> None:
         times = self.times_of.pop(rid)
-        index, arrival_s = self.info.pop(rid)
-        self.state.note_finish(node.engine_id, rid)
-        self.state.note_latency(node.engine_id, times[0] - arrival_s if times else now_s - arrival_s,
-                                now_s - arrival_s, now_s)
+        index, life = self.info.pop(rid)
+        arrival_s = life.hints.arrival_s
+        if times:
+            life.on_token(times[0])
+        outcome = life.on_finished(
+            Finished(event.finish_reason, event.usage.prompt_tokens, event.usage.completion_tokens,
+                     error_message=event.error_message), now_s)
+        self._release(life)
+        if isinstance(outcome, RecordLatency):
+            self.state.note_latency(outcome.engine_id, outcome.ttft_s, outcome.e2e_s, outcome.now_s)
         self.last_event_s = max(self.last_event_s, now_s)
         usage = event.usage
         self.outcomes[index] = Outcome(
@@ -272,17 +288,19 @@ def simulate(
     *,
     progress: Callable[[float], None] | None = None,
     wall_clock: Clock | None = None,
+    on_decision: Callable[[Decision], None] | None = None,
 ) -> SimResult:
     """Replay `schedule` ((arrival s, request) pairs, as `loadgen.arrivals.schedule` gives) on `engines`.
 
     `progress` is called with the fraction of arrivals dispatched so far at every timeline sample, and with
-    1.0 at the end. `wall_clock` (default: monotonic) only measures `SimResult.wall_s`. Semantics: see the
+    1.0 at the end. `wall_clock` (default: monotonic) only measures `SimResult.wall_s`. `on_decision` sees
+    every routing decision (the live dispatcher's hook of the same name). Semantics: see the
     `loadgen.simulate` package docstring.
     """
     clock = wall_clock or MonotonicClock()
     started_s = clock.now()
     nodes = build_fleet(engines, options)
-    run = _Run(schedule, nodes, options, progress)
+    run = _Run(schedule, nodes, options, progress, on_decision)
     run.connect()
     run.run()
     outcomes = [o for o in run.outcomes if o is not None]

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
-from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, LensState, RequestFeatures
 
 MODEL = "m"
 
 
-def engine(engine_id: str, model: str = MODEL, **fields: Any) -> EngineView:
-    """A ready, fresh engine of `model`; any `EngineView` field can be overridden."""
+LENS_FIELDS = frozenset(f.name for f in fields(LensState))
+
+
+def lens_state(**values: Any) -> LensState:
+    """A LENS state vector: zeros and no SLO risk, but for `values` (P_max defaults to 10,000 tokens/s)."""
+    base: dict[str, Any] = {name: 0 for name in LENS_FIELDS}
+    base.update(slo_risk=False, peak_throughput_tokens_per_s=10_000.0)
+    base.update(values)
+    return LensState(**base)
+
+
+def engine(engine_id: str, model: str = MODEL, **values: Any) -> EngineView:
+    """A ready, fresh engine of `model`; any `EngineView` field can be overridden, and LENS's fields
+    (`peak_throughput_tokens_per_s=...`) given flat build its `lens` state."""
+    lens = {k: values.pop(k) for k in list(values) if k in LENS_FIELDS}
+    if lens:
+        values["lens"] = lens_state(**lens)
     base = EngineView(engine_id=EngineId(engine_id), model=model)
-    return replace(base, **fields)
+    return replace(base, **values)
 
 
 def snapshot(*engines: EngineView, taken_at_s: float = 100.0) -> ClusterSnapshot:

@@ -54,8 +54,9 @@ def ok_script(*texts: str, prompt_tokens: int = 5, cached_tokens: int = 0, reaso
 class FakeEngine:
     """An `EngineClient` that plays a script: events, exceptions to raise, or floats (seconds to sleep)."""
 
-    def __init__(self, engine_id: str, script: Script, *, ready: bool = True) -> None:
+    def __init__(self, engine_id: str, script: Script, *, ready: bool = True, model: str = MODEL) -> None:
         self.engine_id = engine_id
+        self.model = model
         self.script = script
         self.ready = ready
         self.requests: list[EngineRequest] = []
@@ -67,7 +68,7 @@ class FakeEngine:
         return f"fake://{self.engine_id}"
 
     async def describe(self) -> EngineDescription:
-        return EngineDescription(EngineId(self.engine_id), MODEL, "fake", "sim", "", 4096, 16, 64)
+        return EngineDescription(EngineId(self.engine_id), self.model, "fake", "sim", "", 4096, 16, 64)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         self.requests.append(request)
@@ -83,13 +84,10 @@ class FakeEngine:
         finally:
             self.closed_streams += 1
 
-    async def abort(self, request_id: str) -> None:
-        return None
-
     async def watch_state(self) -> AsyncIterator[EngineReport]:
         yield EngineReport(
             engine_id=EngineId(self.engine_id),
-            model=MODEL,
+            model=self.model,
             profile="fake",
             backend="sim",
             role="",

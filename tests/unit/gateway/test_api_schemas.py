@@ -206,24 +206,24 @@ def test_engine_requests_fan_out_with_seeds_and_ids() -> None:
         ignore_eos=True,
     )
     out = engine_requests(
-        req, request_id="r", slo_ttft_ms=200.0, slo_tpot_ms=None, priority=1, session_id="s"
+        req, request_id="r", slo_ttft_s=0.2, slo_tpot_s=None, priority=1, session_id="s"
     )
     assert [(r.request_id, r.seed) for r in out] == [("r-0", 10), ("r-1", 11), ("r-2", 12)]
     first = out[0]
     assert first.messages == (ChatTurn("user", "hi"),)
     assert (first.max_tokens, first.min_tokens, first.temperature, first.top_p) == (7, 2, 0.5, 0.9)
-    assert (first.stop, first.ignore_eos, first.slo_ttft_ms, first.slo_tpot_ms) == (("x",), True, 200.0, 0.0)
+    assert (first.stop, first.ignore_eos, first.slo_ttft_s, first.slo_tpot_s) == (("x",), True, 0.2, None)
     assert (first.priority, first.session_id) == (1, "s")
 
 
 def test_engine_requests_single_choice_keeps_the_id_and_defaults() -> None:
     (only,) = engine_requests(
-        chat(), request_id="r", slo_ttft_ms=None, slo_tpot_ms=None, priority=0, session_id=""
+        chat(), request_id="r", slo_ttft_s=None, slo_tpot_s=None, priority=0, session_id=""
     )
     assert (only.request_id, only.seed, only.max_tokens, only.temperature, only.top_p) == (
         "r",
         None,
-        0,
+        None,
         1.0,
         1.0,
     )
@@ -233,16 +233,16 @@ def test_completion_prompt_reaches_the_engine_request_as_text_or_ids() -> None:
     (text,) = engine_requests(
         parse_completion(b'{"model": "m", "prompt": "abc"}'),
         request_id="r",
-        slo_ttft_ms=None,
-        slo_tpot_ms=None,
+        slo_ttft_s=None,
+        slo_tpot_s=None,
         priority=0,
         session_id="",
     )
     (ids,) = engine_requests(
         parse_completion(b'{"model": "m", "prompt": [9, 8]}'),
         request_id="r",
-        slo_ttft_ms=None,
-        slo_tpot_ms=None,
+        slo_ttft_s=None,
+        slo_tpot_s=None,
         priority=0,
         session_id="",
     )
@@ -254,13 +254,13 @@ def test_prompt_token_estimate_is_bytes_over_four() -> None:
     (text,) = engine_requests(
         parse_completion(orjson.dumps({"model": "m", "prompt": "é" * 5})),
         request_id="r",
-        slo_ttft_ms=None,
-        slo_tpot_ms=None,
+        slo_ttft_s=None,
+        slo_tpot_s=None,
         priority=0,
         session_id="",
     )
     assert estimate_prompt_tokens(text) == 3  # 10 UTF-8 bytes -> ceil(10 / 4)
     (msgs,) = engine_requests(
-        chat(), request_id="r", slo_ttft_ms=None, slo_tpot_ms=None, priority=0, session_id=""
+        chat(), request_id="r", slo_ttft_s=None, slo_tpot_s=None, priority=0, session_id=""
     )
     assert estimate_prompt_tokens(msgs) == 3 + 4 + 1  # reply header + per-message overhead + ceil(2 / 4)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.cluster.state import ClusterState
-from gateway.domain import EngineDescription, EngineId, EngineReport
+from gateway.domain import EngineDescription, EngineId, EngineReport, LensState
 
 A, B = EngineId("a"), EngineId("b")
 STATE_PY = Path(__file__).resolve().parents[3] / "gateway" / "cluster" / "state.py"
@@ -174,15 +174,14 @@ def test_state_module_imports_no_io_or_clock() -> None:
 
 def test_lens_state_and_last_iteration_reach_the_view() -> None:
     state = connected(A, now_s=0.0)
-    lens = {
-        "predicted_batch_latency_s": 0.02, "pending_work_tokens": 900.0, "effective_free_kv_blocks": 70,
-        "peak_throughput_tokens_per_s": 12_000.0, "prediction_error_ratio": 0.1, "slo_risk": True,
-        "last_iteration_s": 0.03,
-    }
-    state.on_report(A, report(2, 0.1, **lens), 0.1)
+    lens = LensState(predicted_batch_latency_s=0.02, pending_work_tokens=900.0, effective_free_kv_blocks=70,
+                     peak_throughput_tokens_per_s=12_000.0, prediction_error_ratio=0.1, slo_risk=True)
+    state.on_report(A, report(2, 0.1, lens=lens, last_iteration_s=0.03), 0.1)
     view = state.snapshot(0.1).engines[0]
-    assert {k: getattr(view, k) for k in lens} == lens
+    assert (view.lens, view.last_iteration_s) == (lens, 0.03)
     assert view.has_lens
+    state.on_report(A, report(3, 0.2), 0.2)  # LENS off
+    assert not state.snapshot(0.2).engines[0].has_lens
 
 
 def test_unreported_prompt_tokens_follow_the_unreported_dispatches() -> None:

@@ -67,7 +67,7 @@ class FakeAgent(pb_grpc.EngineAgentServicer):
     async def WatchState(  # noqa: N802
         self, request: pb.WatchStateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EngineState]:
-        for seq in (1, 2):
+        for seq in (1, 2):  # the first without LENS (P_max 0 on the wire), the second with
             yield pb.EngineState(
                 identity=IDENTITY,
                 seq=seq,
@@ -76,7 +76,9 @@ class FakeAgent(pb_grpc.EngineAgentServicer):
                 num_running=seq,
                 kv_blocks_total=100,
                 kv_blocks_free=60,
-                lens=pb.LensState(predicted_batch_latency_s=0.02),
+                lens=pb.LensState(
+                    predicted_batch_latency_s=0.02, peak_throughput_tokens_per_s=(seq - 1) * 9e3
+                ),
             )
         await context.abort(grpc.StatusCode.UNAVAILABLE, "agent stopping")
 
@@ -152,7 +154,7 @@ async def test_unreachable_agent_is_unavailable() -> None:
         await client.close()
 
 
-async def test_describe_watch_and_abort(agent: tuple[FakeAgent, GrpcEngineClient]) -> None:
+async def test_describe_and_watch(agent: tuple[FakeAgent, GrpcEngineClient]) -> None:
     fake, client = agent
     desc = await client.describe()
     assert (desc.engine_id, desc.model, desc.block_size, desc.max_num_seqs, desc.max_context_tokens) == (
@@ -170,9 +172,9 @@ async def test_describe_watch_and_abort(agent: tuple[FakeAgent, GrpcEngineClient
         (1, 11.0, 1, 60),
         (2, 12.0, 2, 60),
     ]
-    assert reports[0].predicted_batch_latency_s == pytest.approx(0.02)
-    await client.abort("r9")
-    assert fake.aborted == ["r9"]
+    assert reports[0].lens is None
+    assert reports[1].lens is not None and reports[1].lens.predicted_batch_latency_s == pytest.approx(0.02)
+    assert reports[1].lens.peak_throughput_tokens_per_s == pytest.approx(9e3)
 
 
 def test_request_translation() -> None:
@@ -182,7 +184,7 @@ def test_request_translation() -> None:
         messages=(ChatTurn("user", "hi"),),
         seed=7,
         stop=("x",),
-        slo_ttft_ms=200.0,
+        slo_ttft_s=0.2,
         session_id="s",
     )
     message = to_generate_request(chat)

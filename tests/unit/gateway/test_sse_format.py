@@ -1,55 +1,24 @@
 """The OpenAI wire format, byte for byte, through the real app (aiohttp test client) with fake engines.
 
 The engines are in-process `EngineClient`s behind the real `ClusterStore`, dispatcher and policies; time is a
-`ManualClock`, so responses are exact. An autouse fixture fails any test that blocks the event loop.
+`ManualClock`, so responses are exact. The suite-wide loop guard (tests/conftest.py) fails any test that
+blocks the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import pytest
 from fake_engines import CREATED, MODEL, FakeEngine, ok_script, script, serving
 
 from gateway.app import HANDLERS_KEY, METRICS_KEY, STORE_KEY
 from gateway.domain import Admitted, Delta, EngineRequestError, EngineStreamError, EngineUnavailable, Finished
 
-SLOW_CALLBACK_S = 0.25
 DONE = b"data: [DONE]\n\n"
 CHAT = "/v1/chat/completions"
 RID = {"x-request-id": "r1"}
-
-
-class _SlowCallbacks(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("Executing ") and " took " in message:
-            self.messages.append(message)
-
-
-@pytest.fixture(autouse=True)
-async def fail_if_the_loop_blocks() -> AsyncIterator[None]:
-    """asyncio debug mode logs each callback slower than `slow_callback_duration`; any such log fails."""
-    loop = asyncio.get_running_loop()
-    loop.set_debug(True)
-    loop.slow_callback_duration = SLOW_CALLBACK_S
-    catcher = _SlowCallbacks()
-    asyncio_log = logging.getLogger("asyncio")
-    asyncio_log.addHandler(catcher)
-    try:
-        yield
-    finally:
-        asyncio_log.removeHandler(catcher)
-    if catcher.messages:
-        pytest.fail("event loop blocked: " + "; ".join(catcher.messages))
 
 
 def chat_body(**extra: Any) -> dict[str, Any]:

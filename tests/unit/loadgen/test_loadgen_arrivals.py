@@ -12,7 +12,6 @@ from loadgen.arrivals import (
     ArrivalSpec,
     arrival_times_s,
     gamma_arrival_times_s,
-    poisson_arrival_times_s,
     schedule,
     timestamp_arrival_times_s,
 )
@@ -51,11 +50,6 @@ def test_gamma_gaps_follow_vllm_shape_and_scale() -> None:
     assert times.tolist() == pytest.approx(
         [0.0, 0.41469522451592433, 1.2260997081939058, 1.3161995067913128, 1.316227230223481], rel=1e-12)
 
-
-def test_poisson_is_gamma_with_burstiness_one() -> None:
-    a = poisson_arrival_times_s(20, 3.0, np.random.default_rng(1))
-    b = gamma_arrival_times_s(20, 3.0, 1.0, np.random.default_rng(1))
-    assert a.tolist() == b.tolist()
 
 
 def test_infinite_rate_sends_everything_at_zero() -> None:

@@ -1,7 +1,8 @@
 """Live replay against an in-process fake OpenAI server with scripted chunk timing.
 
-Timing bounds are generous on the upper side (a loaded CI machine adds delay, never removes it): each
-scripted gap is a lower bound, and the upper bound allows 150 ms of scheduling noise.
+Timing checks are only the ones a loaded machine cannot break: each scripted delay is a lower bound of what
+loadgen measures, and the first token, the gaps and the end add up. How far above the script loadgen's
+figures land (its measurement lag) is wall-clock noise, measured by benchmarks/gateway_overhead.py.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from loadgen.results import read_results
 
 FIXTURE_DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"
 
-NOISE_S = 0.15
 FIRST_S = 0.2  # scripted delay before the first content chunk
 GAP_S = 0.1  # scripted delay between content chunks
 USAGE_TOKENS = 17  # what the usage chunk reports (differs from the 4 content chunks on purpose)
@@ -131,12 +131,12 @@ async def test_ttft_itl_and_usage_are_measured_per_content_chunk(fake: tuple[Fak
     assert [o.request_id for o in result.outcomes] == ["c", "p"]
     for outcome in result.outcomes:
         assert outcome.success, outcome.error
-        assert outcome.ttft_s is not None and FIRST_S <= outcome.ttft_s < FIRST_S + NOISE_S
+        assert outcome.ttft_s is not None and FIRST_S <= outcome.ttft_s
         assert len(outcome.itl_s) == 3  # 4 content chunks; role, empty and finish chunks are not tokens
-        # a chunk read late and the next on time shortens one gap, so single gaps get a loose lower bound
-        assert all(GAP_S * 0.5 <= gap < GAP_S + NOISE_S for gap in outcome.itl_s)
-        assert sum(outcome.itl_s) >= 3 * GAP_S * 0.9
-        assert outcome.e2e_s is not None and outcome.e2e_s >= FIRST_S + 3 * GAP_S
+        assert all(gap >= 0 for gap in outcome.itl_s)
+        # first token, then the gaps, then the rest of the stream: TTFT is not taken at the end of the stream
+        assert outcome.e2e_s is not None and outcome.ttft_s + sum(outcome.itl_s) <= outcome.e2e_s
+        assert outcome.e2e_s >= FIRST_S + 3 * GAP_S
         assert outcome.output_tokens == USAGE_TOKENS and outcome.prompt_tokens == 5
     summary = summarize(result.outcomes, result.duration_s)
     assert summary.completed == 2 and summary.total_output_tokens == 2 * USAGE_TOKENS
@@ -186,7 +186,7 @@ async def test_concurrency_cap_and_arrival_times_are_respected(fake: tuple[FakeS
     spaced = [(0.0, chat("a")), (0.5, chat("b")), (1.2, chat("c"))]
     result = await run_live(spaced, LiveOptions(url, "fake-model"))
     for (at_s, _), outcome in zip(spaced, result.outcomes, strict=True):
-        assert outcome.start_s is not None and at_s <= outcome.start_s < at_s + NOISE_S
+        assert outcome.start_s is not None and at_s <= outcome.start_s
         assert outcome.arrival_s == at_s
     assert server.peak == 1
     assert result.timeline and {"t_s", "in_flight", "throughput_tokens_per_s"} <= set(result.timeline[0])
