@@ -4,7 +4,11 @@ One invocation starts the mock upstream (benchmarks/mock_upstream.py) and a gate
 (`python -m gateway --upstream ...`), each in its own process, and measures, side by side in the same run:
 - TTFT p50/p99 at concurrency 1 (direct vs gateway, and the difference: the gateway's added TTFT);
 - CPU seconds the gateway process spends per request (from /proc, user + system);
-- streamed chunks per second at concurrency 64 and 256 (direct vs gateway, and their ratio).
+- streamed chunks per second at concurrency 64 and 256 (direct vs gateway, and their ratio);
+- loadgen's own measurement lag (`loadgen.live.run_live`, the machinery of `python -m loadgen run`) against a
+  second mock upstream with scripted timing (every content chunk, the first included, `--itl-ms 10` after the
+  previous one): measured minus scripted TTFT and ITL, and how late each request is sent after its planned
+  arrival; this benchmark's bare client on the same upstream (its TTFT) is the baseline.
 Results are printed and written as JSON (default results/gateway_overhead.json).
 
     .venv/bin/python benchmarks/gateway_overhead.py [--requests 200] [--tokens 64]
@@ -26,7 +30,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from loadgen.datasets import text_request
+from loadgen.live import LiveOptions, run_live
+
 REPO = Path(__file__).resolve().parents[1]
+SCRIPTED_ITL_MS = 10.0
 
 
 def free_port() -> int:
@@ -98,6 +106,35 @@ async def throughput(url: str, concurrency: int, per_worker: int, tokens: int) -
         return total / (time.perf_counter() - t0)
 
 
+async def loadgen_lag(url: str, requests: int, tokens: int, spacing_s: float) -> dict[str, float]:
+    """loadgen's figures against the scripted upstream at `url`, less the script; the bare client's TTFT on
+    the same upstream (sequential, like loadgen's spaced arrivals) is the baseline."""
+    plan = [(i * spacing_s, text_request(f"lag-{i}", "hello", tokenizer=None, output_tokens=tokens))
+            for i in range(requests)]
+    outcomes = (await run_live(plan, LiveOptions(url, "mock-model"))).outcomes
+    failed = [o.error for o in outcomes if not o.success]
+    if failed:
+        raise RuntimeError(f"loadgen: {len(failed)} requests failed, e.g. {failed[0]}")
+    scripted_s = SCRIPTED_ITL_MS / 1e3
+    ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
+    itl = [gap for o in outcomes for gap in o.itl_s]
+    late = [o.start_s - o.arrival_s for o in outcomes if o.start_s is not None and o.arrival_s is not None]
+    bare = await ttft_sequential(url, requests, tokens)
+    return {
+        "scripted_ttft_and_itl_ms": SCRIPTED_ITL_MS,
+        "ttft_lag_p50_ms": (percentile(ttft, 0.5) - scripted_s) * 1e3,
+        "ttft_lag_p99_ms": (percentile(ttft, 0.99) - scripted_s) * 1e3,
+        "itl_lag_p50_ms": (percentile(itl, 0.5) - scripted_s) * 1e3,
+        "itl_lag_p99_ms": (percentile(itl, 0.99) - scripted_s) * 1e3,
+        "start_late_p50_ms": percentile(late, 0.5) * 1e3,
+        "start_late_p99_ms": percentile(late, 0.99) * 1e3,
+        "start_late_max_ms": max(late) * 1e3,
+        "bare_client_ttft_p50_ms": percentile(bare, 0.5) * 1e3,
+        "loadgen_over_bare_ttft_p50": percentile(ttft, 0.5) / percentile(bare, 0.5),
+        "requests": requests,
+    }
+
+
 def wait_http(url: str, timeout_s: float = 30.0) -> None:
     async def probe() -> None:
         deadline = time.monotonic() + timeout_s
@@ -121,6 +158,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200, help="sequential requests for the TTFT figures")
     ap.add_argument("--tokens", type=int, default=64, help="chunks per stream")
     ap.add_argument("--per-worker", type=int, default=4, help="streams per worker in the throughput runs")
+    ap.add_argument("--lag-requests", type=int, default=40, help="requests for loadgen's measurement lag")
     ap.add_argument("--output", type=Path, default=REPO / "results" / "gateway_overhead.json")
     args = ap.parse_args()
 
@@ -163,6 +201,13 @@ def main() -> int:
                 "gateway_over_direct": tg / td,
                 "gateway_cpu_ms_per_request": (c1 - c0) / n_req * 1e3,
             }
+        lag_port = free_port()
+        scripted = f"http://127.0.0.1:{lag_port}"
+        procs.append(subprocess.Popen([py, str(REPO / "benchmarks" / "mock_upstream.py"),
+                                       "--port", str(lag_port), "--itl-ms", str(SCRIPTED_ITL_MS)]))
+        wait_http(scripted + "/v1/models")
+        # 8 chunks, 10 ms apart: ~90 ms per request; 100 ms between arrivals, so requests rarely overlap.
+        res["loadgen_lag"] = asyncio.run(loadgen_lag(scripted, args.lag_requests, 8, 0.1))
         print(json.dumps(res, indent=2))
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(res, indent=2))

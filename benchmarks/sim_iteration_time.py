@@ -7,7 +7,10 @@ For h100-llama3-8b, a6000-llama3-8b and h100x4-llama3-70b, measured side by side
 - the length-heterogeneity penalty: mixed vs homogeneous decode batches with equal total context, on the whole
   iteration and on its attention part;
 - the engine's speed: iterations per wall-clock second of `step()` over a Poisson workload, and the cost of
-  one step relative to one bare `iteration_time_s` call (the baseline).
+  one step relative to one bare `iteration_time_s` call (the baseline);
+- the hidden-state tap (what the sim backend builds in its executor every k decode steps): wall time of one
+  batch of 256 x hidden-size vectors, relative to one `step()` of the run above (the baseline), and the
+  one-off set-up of `SyntheticHiddenStates` (tens of ms of numpy: the backend builds it off the loop).
 Results are printed and written as JSON (default results/sim_iteration_time.json).
 
     .venv/bin/python benchmarks/sim_iteration_time.py [--requests 3000] [--rate 12] [--output PATH]
@@ -18,12 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
+from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.perf_model import (
     BatchShape,
     PerfCoefficients,
@@ -126,6 +131,37 @@ def step_rate(profile_name: str, num_requests: int, rate_per_s: float) -> dict[s
     }
 
 
+def hidden_state_tap(profile_name: str, step_wall_s: float, requests: int = 256,
+                     runs: int = 10) -> dict[str, Any]:
+    """Wall time of one tap batch of `requests` vectors, median of `runs`, after a warm-up that builds the
+    noise bank; `step_wall_s` (one `SimEngine.step`, measured in the same run) is the baseline."""
+    model = get_profile(profile_name).model
+    rng = random.Random(3)
+    ids = [f"req-{i}" for i in range(requests)]
+    prompt = [rng.randrange(10, 4000) for _ in ids]
+    generated = [rng.randrange(1, 1000) for _ in ids]
+    remaining = [rng.randrange(1, 1000) for _ in ids]
+    setup_start = time.perf_counter()
+    hidden = SyntheticHiddenStates(model.hidden_size, model.name)
+    setup_s = time.perf_counter() - setup_start
+    hidden.vectors(ids, prompt, generated, remaining)
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        hidden.vectors(ids, prompt, generated, remaining)
+        samples.append(time.perf_counter() - started)
+    median_s = statistics.median(samples)
+    return {
+        "profile": profile_name,
+        "requests": requests,
+        "hidden_size": model.hidden_size,
+        "batch_median_ms": median_s * 1e3,
+        "batch_max_ms": max(samples) * 1e3,
+        "batch_vs_one_step": median_s / step_wall_s,
+        "setup_ms": setup_s * 1e3,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=3000)
@@ -142,6 +178,8 @@ def main() -> int:
         result["ratio_to_decode_b1_ctx512"][name] = {k: round(v / base, 3) for k, v in times.items()}
         result["heterogeneity"][name] = heterogeneity(c)
     result["step_rate"] = step_rate("h100-llama3-8b", args.requests, args.rate)
+    step_wall_s = result["step_rate"]["wall_s"] / result["step_rate"]["iterations"]
+    result["hidden_state_tap"] = hidden_state_tap("h100-llama3-8b", step_wall_s)
 
     print(json.dumps(result, indent=2))
     args.output.parent.mkdir(parents=True, exist_ok=True)
