@@ -26,6 +26,7 @@ from gateway.dispatch.life import (
     DEFAULT_MAX_ATTEMPTS,
     ChoiceLife,
     Decision,
+    DispatchLedger,
     GiveUp,
     Moment,
     StreamFailed,
@@ -49,20 +50,10 @@ from switchyard.clock import Clock
 log = logging.getLogger(__name__)
 
 
-class RoutingState(Protocol):
-    """The part of the cluster store the dispatcher uses."""
+class RoutingState(DispatchLedger, Protocol):
+    """The part of the cluster store the dispatcher uses (`note_dispatch` from the life's ledger)."""
 
     def snapshot(self) -> ClusterSnapshot: ...
-
-    def note_dispatch(
-        self,
-        engine_id: EngineId,
-        request_id: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        session_id: str,
-        now_s: float,
-    ) -> None: ...
 
     def note_finish(self, engine_id: EngineId, request_id: str) -> None: ...
 
