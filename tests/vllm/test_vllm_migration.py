@@ -48,7 +48,9 @@ async def agents(
 ) -> AsyncIterator[tuple[pb_grpc.EngineAgentStub, pb_grpc.EngineAgentStub, str]]:
     specs = [
         AgentSpec(
-            f"mig-{n}", "", free_port(), backend="vllm", model=str(tiny_model_dir), extra_args=AGENT_ARGS
+            f"mig-{n}", "", free_port(), backend="vllm", model=str(tiny_model_dir),
+            # An explicit free NIXL side-channel port: the default (agent port + 1000) is not checked for use.
+            extra_args=(*AGENT_ARGS, "--nixl-port", str(free_port())),
         )
         for n in "ab"
     ]
