@@ -83,6 +83,11 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     v.add_argument(
         "--nixl-port", type=int, default=None, help="NIXL side channel (default: agent port + 1000)"
     )
+    v.add_argument(
+        "--nixl-progress-thread",
+        action="store_true",
+        help="run NIXL's UCX progress thread (it polls without sleeping: one core busy even when idle)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -104,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
             enable_migration=not args.no_migration,
             nixl_side_channel_host=args.nixl_host,
             nixl_side_channel_port=args.nixl_port,
+            nixl_progress_thread=args.nixl_progress_thread,
         ),
         hidden_state_interval=args.hidden_state_interval or None,  # the flag's 0 = off
         lens_planning=args.lens,

@@ -29,8 +29,9 @@ class VllmConfig(BaseModel):
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     cpu_kv_cache_gb: float = Field(default=1.0, gt=0.0)  # VLLM_CPU_KVCACHE_SPACE on the CPU platform
     enforce_eager: bool = False
-    # CPU platform: cores for torch's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); None = all but one when
-    # migration is on (the last core is left to NIXL's progress thread), else vLLM's default.
+    # CPU platform: cores for torch's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); None = all but the last when
+    # migration is on (vLLM's NIXL worker moves OpenMP's master thread there; see `default_omp_bind`), else
+    # vLLM's default.
     cpu_omp_threads_bind: str | None = None
     tensor_parallel_size: int = Field(default=1, ge=1)
     # KV migration over NIXL (NixlConnector, pull): the side channel this engine serves its metadata on.
@@ -40,6 +41,9 @@ class VllmConfig(BaseModel):
     # UCX worker threads for NIXL; None = 0 (UCX default) on the CPU platform, vLLM's 4 on GPUs. Measured on 2
     # cores: a decode step of the tiny model took 3.2 ms with 0, 5.1 ms with 1.
     nixl_num_threads: int | None = Field(default=None, ge=0)
+    # NIXL's UCX progress thread. NIXL 1.5.1 runs it with a 0 ms poll timeout: it keeps a core at 100 % even
+    # when the agent is idle. Off, UCX progresses in the calls vLLM makes each engine step during a transfer.
+    nixl_progress_thread: bool = False
     kv_hold_ttl_s: float = Field(default=60.0, gt=0.0)  # how long a cut request's KV waits for its target
 
 
