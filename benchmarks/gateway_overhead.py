@@ -4,20 +4,31 @@ One invocation starts the mock upstream (benchmarks/mock_upstream.py) and a gate
 (`python -m gateway --upstream ...`), each in its own process, and measures, side by side in the same run:
 - TTFT p50/p99 at concurrency 1 (direct vs gateway, and the difference: the gateway's added TTFT);
 - CPU seconds the gateway process spends per request (from /proc, user + system);
-- streamed chunks per second at concurrency 64 and 256 (direct vs gateway, and their ratio);
+- streamed chunks per second at concurrency 64 and 256 (`--concurrency`, e.g. 64 256 1024; direct vs gateway,
+  and their ratio; `--repeat N` measures each pair N times, direct and gateway alternating, and reports the
+  median ratio and every ratio);
+- the gateway's CPU split into a fixed cost per request and a cost per streamed content chunk: a second
+  gateway run at the first concurrency with `--split-tokens` (default 1) chunks per stream, the two runs' CPU
+  per request fitted by a line in the chunk count;
+- `--upstreams N` starts N mock upstreams: the gateway routes over all of them, the direct client spreads its
+  requests over them round robin; `--itl-ms X` paces their chunks X ms apart (default 0: each stream is one
+  burst, which the gateway reads and writes in a few socket operations; paced, every chunk is a read and a
+  write of its own, as with a real engine);
 - loadgen's own measurement lag (`loadgen.live.run_live`, the machinery of `python -m loadgen run`) against a
   second mock upstream with scripted timing (every content chunk, the first included, `--itl-ms 10` after the
   previous one): measured minus scripted TTFT and ITL, and how late each request is sent after its planned
   arrival; this benchmark's bare client on the same upstream (its TTFT) is the baseline.
 Results are printed and written as JSON (default results/gateway_overhead.json).
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--requests 200] [--tokens 64]
+    .venv/bin/python benchmarks/gateway_overhead.py [--requests 200] [--tokens 64] [--concurrency 64 256 1024]
+        [--upstreams 2] [--repeat 3] [--skip-lag]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -93,17 +104,30 @@ async def ttft_sequential(url: str, n: int, tokens: int) -> list[float]:
         return [(await one_stream(s, url, tokens))[0] for _ in range(n)]
 
 
-async def throughput(url: str, concurrency: int, per_worker: int, tokens: int) -> float:
+async def throughput(urls: str | list[str], concurrency: int, per_worker: int, tokens: int) -> float:
+    """Content chunks per second of `concurrency` workers, each streaming `per_worker` requests in a row (to
+    the urls in turn when there are several)."""
+    targets = itertools.cycle([urls] if isinstance(urls, str) else urls)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
-        await asyncio.gather(*(one_stream(s, url, tokens) for _ in range(min(concurrency, 16))))
+        await asyncio.gather(*(one_stream(s, next(targets), tokens) for _ in range(min(concurrency, 16))))
 
         async def worker() -> int:
-            return sum([(await one_stream(s, url, tokens))[1] for _ in range(per_worker)])
+            return sum([(await one_stream(s, next(targets), tokens))[1] for _ in range(per_worker)])
 
         t0 = time.perf_counter()
         total = sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
         return total / (time.perf_counter() - t0)
+
+
+def gateway_cpu_run(
+    pid: int, url: str, concurrency: int, per_worker: int, tokens: int
+) -> tuple[float, float]:
+    """(content chunks/s, gateway CPU seconds per request) of one throughput run through the gateway."""
+    c0 = cpu_seconds(pid)
+    rate = asyncio.run(throughput(url, concurrency, per_worker, tokens))
+    n_req = concurrency * per_worker + min(concurrency, 16)
+    return rate, (cpu_seconds(pid) - c0) / n_req
 
 
 async def loadgen_lag(url: str, requests: int, tokens: int, spacing_s: float) -> dict[str, float]:
@@ -153,27 +177,49 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
     asyncio.run(probe())
 
 
+def finish(res: dict[str, object], output: Path) -> int:
+    print(json.dumps(res, indent=2))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(res, indent=2))
+    print(f"wrote {output}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="gateway overhead vs a direct connection")
     ap.add_argument("--requests", type=int, default=200, help="sequential requests for the TTFT figures")
     ap.add_argument("--tokens", type=int, default=64, help="chunks per stream")
     ap.add_argument("--per-worker", type=int, default=4, help="streams per worker in the throughput runs")
     ap.add_argument("--lag-requests", type=int, default=40, help="requests for loadgen's measurement lag")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256], help="throughput concurrencies")
+    ap.add_argument("--repeat", type=int, default=1, help="direct/gateway throughput pairs per concurrency")
+    ap.add_argument("--upstreams", type=int, default=1, help="mock upstreams behind the gateway")
+    ap.add_argument("--split-tokens", type=int, default=1,
+                    help="chunks per stream of the extra run that splits CPU per request and per chunk")
+    ap.add_argument("--itl-ms", type=float, default=0.0, help="mock upstreams' gap between chunks")
+    ap.add_argument("--skip-lag", action="store_true", help="skip loadgen's measurement lag")
     ap.add_argument("--output", type=Path, default=REPO / "results" / "gateway_overhead.json")
     args = ap.parse_args()
 
-    up_port, gw_port = free_port(), free_port()
-    direct, via = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
+    up_ports, gw_port = [free_port() for _ in range(args.upstreams)], free_port()
+    directs = [f"http://127.0.0.1:{port}" for port in up_ports]
+    direct, via = directs[0], f"http://127.0.0.1:{gw_port}"
     py = sys.executable
-    procs = [subprocess.Popen([py, str(REPO / "benchmarks" / "mock_upstream.py"), "--port", str(up_port)])]
+    procs = [subprocess.Popen([py, str(REPO / "benchmarks" / "mock_upstream.py"), "--port", str(port),
+                               "--itl-ms", str(args.itl_ms)])
+             for port in up_ports]
     try:
-        wait_http(direct + "/v1/models")
+        for url in directs:
+            wait_http(url + "/v1/models")
         gw = subprocess.Popen([py, "-m", "gateway", "--port", str(gw_port), "--policy", "round_robin",
-                               "--upstream", direct], cwd=REPO, stdout=subprocess.DEVNULL)
+                               *(a for url in directs for a in ("--upstream", url))],
+                              cwd=REPO, stdout=subprocess.DEVNULL)
         procs.append(gw)
         wait_http(via + "/health")
 
-        res: dict[str, object] = {"tokens_per_stream": args.tokens, "cpu_cores": os.cpu_count()}
+        res: dict[str, object] = {"tokens_per_stream": args.tokens, "cpu_cores": os.cpu_count(),
+                                  "upstreams": args.upstreams, "itl_ms": args.itl_ms,
+                                  "load_average": os.getloadavg()[0]}
         d = asyncio.run(ttft_sequential(direct, args.requests, args.tokens))
         cpu0 = cpu_seconds(gw.pid)
         g = asyncio.run(ttft_sequential(via, args.requests, args.tokens))
@@ -189,18 +235,42 @@ def main() -> int:
             "requests": args.requests,
             "direct_ttft_mean_ms": statistics.fmean(d) * 1e3,
         }
-        for conc in (64, 256):
-            td = asyncio.run(throughput(direct, conc, args.per_worker, args.tokens))
-            c0 = cpu_seconds(gw.pid)
-            tg = asyncio.run(throughput(via, conc, args.per_worker, args.tokens))
-            c1 = cpu_seconds(gw.pid)
-            n_req = conc * args.per_worker + min(conc, 16)
+        for conc in args.concurrency:
+            pairs = []
+            for _ in range(args.repeat):
+                td = asyncio.run(throughput(directs, conc, args.per_worker, args.tokens))
+                tg, cpu_s = gateway_cpu_run(gw.pid, via, conc, args.per_worker, args.tokens)
+                pairs.append((tg / td, td, tg, cpu_s))
+            ratio, td, tg, _ = sorted(pairs)[len(pairs) // 2]  # the median pair
+            cpu_s = statistics.fmean(p[3] for p in pairs)
             res[f"concurrency_{conc}"] = {
                 "direct_chunks_per_s": td,
                 "gateway_chunks_per_s": tg,
-                "gateway_over_direct": tg / td,
-                "gateway_cpu_ms_per_request": (c1 - c0) / n_req * 1e3,
+                "gateway_over_direct": ratio,
+                "gateway_cpu_ms_per_request": cpu_s * 1e3,  # mean over the repeats
+                "gateway_cpu_us_per_chunk_all_in": cpu_s / args.tokens * 1e6,
+                "all_ratios": [p[0] for p in pairs],
             }
+        # CPU per request = fixed + per_chunk * chunks: full and small runs in turn at the first concurrency.
+        # The small runs have more requests: /proc's CPU time has a 10 ms resolution.
+        conc = args.concurrency[0]
+        full_s, small_s = [], []
+        for _ in range(args.repeat):
+            full_s.append(gateway_cpu_run(gw.pid, via, conc, args.per_worker, args.tokens)[1])
+            small_s.append(gateway_cpu_run(gw.pid, via, conc, args.per_worker * 8, args.split_tokens)[1])
+        full_mean, small_mean = statistics.fmean(full_s), statistics.fmean(small_s)
+        per_chunk_s = (full_mean - small_mean) / (args.tokens - args.split_tokens)
+        res["cpu_split"] = {
+            "concurrency": conc,
+            "gateway_cpu_us_per_request_fixed": (small_mean - per_chunk_s * args.split_tokens) * 1e6,
+            "gateway_cpu_us_per_content_chunk": per_chunk_s * 1e6,
+            "gateway_cpu_us_per_request_at_split_tokens": small_mean * 1e6,
+            "gateway_cpu_us_per_request_at_tokens": full_mean * 1e6,
+            "split_tokens": args.split_tokens,
+            "runs": args.repeat,
+        }
+        if args.skip_lag:
+            return finish(res, args.output)
         lag_port = free_port()
         scripted = f"http://127.0.0.1:{lag_port}"
         procs.append(subprocess.Popen([py, str(REPO / "benchmarks" / "mock_upstream.py"),
@@ -208,11 +278,7 @@ def main() -> int:
         wait_http(scripted + "/v1/models")
         # 8 chunks, 10 ms apart: ~90 ms per request; 100 ms between arrivals, so requests rarely overlap.
         res["loadgen_lag"] = asyncio.run(loadgen_lag(scripted, args.lag_requests, 8, 0.1))
-        print(json.dumps(res, indent=2))
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(res, indent=2))
-        print(f"wrote {args.output}")
-        return 0
+        return finish(res, args.output)
     finally:
         for p in reversed(procs):
             p.terminate()

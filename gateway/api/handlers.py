@@ -192,6 +192,8 @@ class ApiHandlers:
                 return relay.response
             return errors.error_response(err, headers)
         finally:
+            if isinstance(relay, StreamRelay):
+                relay.close()
             self._inflight_ids.discard(engine_request_id)
             if task is not None:
                 self._inflight_tasks.discard(task)

@@ -1,7 +1,9 @@
 """Event sinks that turn engine events into an OpenAI response: an SSE stream, or one JSON body.
 
 Owns: `StreamRelay` (headers at the first event, per-choice role chunk, content chunks, finish chunk, optional
-usage chunk, `[DONE]`; an error after the first byte becomes an error event + `[DONE]`), `CollectRelay`
+usage chunk, `[DONE]`; an error after the first byte becomes an error event + `[DONE]`; content chunks are
+spliced into each choice's pre-encoded chunk, see `SplicedEvent`; a lone chunk is written at once, the rest
+of a burst in one write at the end of the loop tick, a choice's first token always at once), `CollectRelay`
 (accumulates n choices into one body) and `UsageTally` (usage summed over choices, prompt counted once, as
 OpenAI reports n > 1). Both raise `ClientDisconnected` when the client is gone, so the dispatcher stops the
 engines.
@@ -10,6 +12,7 @@ Must not: route, retry, or read engine transports.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +20,7 @@ from aiohttp import web
 
 from gateway.api.errors import ApiError
 from gateway.api.openai_format import ResponseFormat, usage_object
-from gateway.api.sse import SseWriter
+from gateway.api.sse import SplicedEvent, SseWriter
 from gateway.dispatch.dispatcher import ClientDisconnected
 from gateway.domain import Admitted, Delta, EngineEvent, Finished
 
@@ -55,7 +58,8 @@ class StreamRelay:
     ) -> None:
         self._sse = SseWriter(request, headers)
         self._fmt = fmt
-        self._opened = [False] * n
+        self._content: list[SplicedEvent | None] = [None] * n  # set when the choice opens
+        self._first_token = [False] * n  # the choice's first content chunk was sent
         self._include_usage = include_usage
         self.tally = UsageTally(n)
 
@@ -69,15 +73,20 @@ class StreamRelay:
 
     async def on_event(self, index: int, event: EngineEvent) -> None:
         try:
-            if not self._opened[index]:
-                self._opened[index] = True
+            content = self._content[index]
+            if content is None:
+                content = self._content[index] = SplicedEvent(functools.partial(self._fmt.content, index))
                 await self._sse.start()
                 opening = self._fmt.opening(index)
                 if opening is not None:
                     await self._sse.send(opening)
             if isinstance(event, Delta):
                 if event.text:
-                    await self._sse.send(self._fmt.content(index, event.text))
+                    if self._first_token[index]:
+                        await self._sse.send_frame(content.encode(event.text))
+                    else:  # the client's time to first token: written at once, whatever else this tick holds
+                        self._first_token[index] = True
+                        await self._sse.send_now(content.encode(event.text))
             elif isinstance(event, Finished):
                 self.tally.note(index, event)
                 await self._sse.send(self._fmt.finish(index, event.finish_reason))
@@ -98,9 +107,12 @@ class StreamRelay:
         """After the first byte: the error as an event, then `[DONE]` (a gone client is not an error here)."""
         try:
             await self._sse.send_error(err.body())
-            await self._sse.response.write_eof()
         except ConnectionResetError:
             pass
+
+    def close(self) -> None:
+        """The request is over, however it ended: nothing more is written."""
+        self._sse.close()
 
 
 class CollectRelay:

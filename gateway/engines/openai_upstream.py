@@ -8,6 +8,12 @@ translation into the gateway's engine events and reports.
   content chunk, then `Finished` from the finish_reason and the usage chunk. Before the stream: 5xx, 408, 429
   and connection errors are `EngineUnavailable`, other 4xx `EngineRequestError`; after it, any failure is
   `EngineStreamError`. Closing the generator early closes the connection, which makes vLLM abort the request.
+  The body is read as whatever bytes have arrived (one read can hold many events) and cut into events by
+  `SseChunkParser`, a pure parser (bytes in, events out) that decodes only `data:` lines.
+- Connections: one `aiohttp.ClientSession` per upstream (`upstream_session`), keep-alive connections pooled
+  across requests; the pool closes idle connections after `KEEPALIVE_S`, before the upstream's own idle
+  timeout (uvicorn's 5 s, which vllm serve and SGLang use) can close one the gateway is about to reuse.
+  aiohttp sets TCP_NODELAY on every connection it opens.
 - `watch_state` polls /metrics every `metrics_interval_s` (a background task of the cluster store, never the
   request path) and parses vLLM's (and SGLang's) gauge names into `EngineReport`s. When only a KV usage
   fraction is known, KV figures are expressed over a nominal total of `NOMINAL_KV_BLOCKS` (1000) blocks, so
@@ -21,12 +27,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any, Literal, cast
 
 import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
+from yarl import URL
 
 from gateway.domain import (
     Admitted,
@@ -50,6 +56,11 @@ _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:to
 _CACHE_INFO = "vllm:cache_config_info"
 _RETRYABLE_4XX = frozenset({408, 429})
 _DRAIN_TIMEOUT_S = 1.0
+# One streaming request holds one connection (HTTP/1.1): the cap is far above any engine's batch plus queue
+# and only guards file descriptors; a request waiting for a pooled connection counts against the connect
+# timeout.
+MAX_CONNECTIONS = 4096
+KEEPALIVE_S = 4.0
 FinishReason = Literal["stop", "length", "abort", "error"]
 _FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort", "error"})
 
@@ -124,6 +135,99 @@ def parse_metrics(text: str) -> tuple[int, int, int, int]:
     return running, waiting, total_blocks, round((1.0 - usage) * total_blocks)
 
 
+def upstream_session() -> aiohttp.ClientSession:
+    """The HTTP session of one upstream: pooled keep-alive connections, no cookie handling."""
+    connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
+    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+
+class SseChunkParser:
+    """An upstream's streamed body, fed as it arrives, turned into `Delta`s and the final `Finished`.
+
+    `feed` returns the deltas of every complete line; `done` turns true at `data: [DONE]` (later bytes are
+    ignored); an `error` chunk or undecodable JSON stops parsing and sets `error` (raise it after relaying the
+    deltas before it). `finished()` is the stream's `Finished` once the body ended, or raises when it ended
+    without a finish reason and without `[DONE]`.
+    """
+
+    __slots__ = ("_source", "_tail", "finish_reason", "usage", "deltas", "done", "error")
+
+    def __init__(self, source: str) -> None:
+        self._source = source  # names the upstream in errors
+        self._tail = b""
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.deltas = 0
+        self.done = False
+        self.error: EngineStreamError | None = None
+
+    def feed(self, data: bytes) -> list[Delta]:
+        lines = (self._tail + data if self._tail else data).split(b"\n")
+        self._tail = lines.pop()
+        return self._lines(lines)
+
+    def end(self) -> list[Delta]:
+        """The body ended: a last line without its newline still counts."""
+        tail, self._tail = self._tail, b""
+        return self._lines([tail]) if tail else []
+
+    def _lines(self, lines: list[bytes]) -> list[Delta]:
+        # The per-chunk path of every upstream stream: one loop, names bound locally.
+        out: list[Delta] = []
+        if self.done or self.error is not None:
+            return out
+        loads = orjson.loads
+        for raw in lines:
+            if not raw:
+                continue  # the blank line after each event
+            if not raw.startswith(b"data:"):
+                raw = raw.strip()
+                if not raw.startswith(b"data:"):
+                    continue  # comments, event/id fields
+            data = raw[5:].strip()
+            if data == b"[DONE]":
+                self.done = True
+                break
+            try:
+                chunk = loads(data)
+            except orjson.JSONDecodeError:
+                chunk = None
+            if not isinstance(chunk, dict):
+                self.error = EngineStreamError(f"bad SSE chunk from {self._source}: {data[:200]!r}")
+                break
+            if "error" in chunk:
+                self.error = EngineStreamError(f"upstream {self._source} error: {chunk['error']}")
+                break
+            usage = chunk.get("usage")
+            if usage:
+                self.usage = usage
+            for choice in chunk.get("choices") or ():
+                if "delta" in choice:
+                    delta = choice["delta"]
+                    text = delta.get("content") if delta else None
+                else:
+                    text = choice.get("text")
+                if text:
+                    self.deltas += 1
+                    out.append(Delta(text, (), 1))  # (text, token_ids, num_tokens): positional is faster
+                reason = choice.get("finish_reason")
+                if reason:
+                    self.finish_reason = reason
+        return out
+
+    def finished(self) -> Finished:
+        if self.finish_reason is None and not self.done:
+            raise EngineStreamError(f"stream from {self._source} ended without a finish")
+        usage = self.usage or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return Finished(
+            finish_reason=_finish_reason(self.finish_reason),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or self.deltas),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+        )
+
+
 class OpenAIUpstreamClient:
     def __init__(
         self,
@@ -136,12 +240,18 @@ class OpenAIUpstreamClient:
         connect_timeout_s: float = 5.0,
         clock: Clock | None = None,
     ) -> None:
-        """`session` is borrowed when given (the caller closes it), else created on first use and owned."""
+        """`session` is borrowed when given (the caller closes it), else created on first use (an
+        `upstream_session`) and owned."""
         self._base_url = base_url.rstrip("/")
         self._session = session
         self._owns_session = session is None
         self._metrics_interval_s = metrics_interval_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Built once: the per-request part of a POST is the body alone.
+        self._post_headers = {
+            **self._headers, "Content-Type": "application/json", "Accept": "text/event-stream"
+        }
+        self._urls: dict[str, URL] = {}
         self._engine_id = EngineId(engine_id or self._base_url)
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s
@@ -155,8 +265,14 @@ class OpenAIUpstreamClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = upstream_session()
         return self._session
+
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(f"{self._base_url}{path}")
+        return url
 
     async def describe(self) -> EngineDescription:
         try:
@@ -189,10 +305,7 @@ class OpenAIUpstreamClient:
         started = reusable = False
         try:
             resp = await self._http().post(
-                f"{self._base_url}{path}",
-                data=orjson.dumps(body),
-                headers={**self._headers, "Content-Type": "application/json", "Accept": "text/event-stream"},
-                timeout=self._timeout,
+                self._url(path), data=orjson.dumps(body), headers=self._post_headers, timeout=self._timeout
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"POST {self._base_url}{path} failed: {exc!r}") from exc
@@ -206,10 +319,22 @@ class OpenAIUpstreamClient:
                 raise EngineUnavailable(message)
             started = True
             yield Admitted(prompt_tokens=0)
-            async with aclosing(self._relay(resp)) as events:
-                async for event in events:
-                    reusable = isinstance(event, Finished)
-                    yield event
+            parser = SseChunkParser(self._base_url)
+            content = resp.content
+            while not parser.done:
+                data = await content.readany()
+                deltas = parser.feed(data) if data else parser.end()
+                for delta in deltas:
+                    yield delta
+                if parser.error is not None:
+                    raise parser.error
+                if not data:
+                    break  # end of the body
+            finished = parser.finished()
+            if parser.done:
+                await self._drain(resp)
+            reusable = True
+            yield finished
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             if started:
                 raise EngineStreamError(f"stream from {self._base_url} broke: {exc!r}") from exc
@@ -219,46 +344,6 @@ class OpenAIUpstreamClient:
                 resp.release()  # body read to the end: the connection goes back to the pool
             else:
                 resp.close()  # closes the connection mid-stream: the upstream aborts the request
-
-    async def _relay(self, resp: aiohttp.ClientResponse) -> AsyncIterator[EngineEvent]:
-        finish_reason: str | None = None
-        usage: dict[str, Any] | None = None
-        deltas = 0
-        done = False
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments, event/id fields
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError as exc:
-                raise EngineStreamError(f"bad SSE chunk from {self._base_url}: {data[:200]!r}") from exc
-            if "error" in chunk:
-                raise EngineStreamError(f"upstream {self._base_url} error: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-                if text:
-                    deltas += 1
-                    yield Delta(text=text, num_tokens=1)
-                if choice.get("finish_reason"):
-                    finish_reason = choice["finish_reason"]
-        if finish_reason is None and not done:
-            raise EngineStreamError(f"stream from {self._base_url} ended without a finish")
-        if done:
-            await self._drain(resp)
-        details = (usage or {}).get("prompt_tokens_details") or {}
-        yield Finished(
-            finish_reason=_finish_reason(finish_reason),
-            prompt_tokens=int((usage or {}).get("prompt_tokens") or 0),
-            completion_tokens=int((usage or {}).get("completion_tokens") or deltas),
-            cached_tokens=int(details.get("cached_tokens") or 0),
-        )
 
     @staticmethod
     async def _drain(resp: aiohttp.ClientResponse) -> None:
