@@ -48,11 +48,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from agent_idle_cpu import process_tree, thread_cpu_s  # noqa: E402 (sibling benchmark script)
 from vllm_gateway_vs_serve import (  # noqa: E402 (a sibling benchmark script, not a package)
     PY,
     REPO,
     Proc,
-    _children,
     free_port,
     get_model_name,
     make_prompts,
@@ -100,31 +100,6 @@ NATIVE_THREADS = re.compile(r"ucx|nixl|ucp|omp|grpc|gomp|pt_|torch|cuda", re.IGN
 
 
 # ---- /proc ------------------------------------------------------------------------------------------------
-
-
-def tree_pids(pid: int) -> list[int]:
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
-
-
-def thread_cpu(pids: Sequence[int]) -> dict[tuple[int, int], tuple[str, str, float]]:
-    """(pid, tid) -> (process name, thread name, CPU seconds) for every thread of `pids`."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    out: dict[tuple[int, int], tuple[str, str, float]] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            pname = Path(f"/proc/{pid}/comm").read_text().strip()
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError, IndexError, ValueError):
-                    raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-                    fields = raw.rsplit(")", 1)[1].split()
-                    tname = raw[raw.index("(") + 1:raw.rindex(")")]
-                    out[(pid, int(tid))] = (pname, tname, (int(fields[11]) + int(fields[12])) / ticks)
-    return out
 
 
 def cmdline(pid: int) -> str:
@@ -236,15 +211,15 @@ def measure(parts: Sequence[Proc], url: str, prompts: list[str], args: argparse.
             concurrency: int, log_dir: Path, tag: str) -> dict[str, Any]:
     model = get_model_name(url)
     asyncio.run(run_load(url, model, prompts[:4], max_tokens, 4, args.request_timeout_s))  # warm-up
-    pids = [p for part in parts for p in tree_pids(part.proc.pid)]
+    pids = [p for part in parts for p in process_tree(part.proc.pid)]
     samplers = [Sampler(args.py_spy, part.proc.pid, args.rate, log_dir / f"{tag}-{part.name}.raw")
                 for part in parts]
     time.sleep(1.0)  # py-spy attaches
-    before = thread_cpu(pids)
+    before = thread_cpu_s(pids)
     t0 = time.perf_counter()
     outcomes, wall = asyncio.run(
         run_load(url, model, prompts, max_tokens, concurrency, args.request_timeout_s))
-    after = thread_cpu(pids)
+    after = thread_cpu_s(pids)
     stacks: dict[int, Counter[str]] = {}
     for s in samplers:
         stacks.update(s.stop())
