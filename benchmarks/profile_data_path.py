@@ -67,7 +67,7 @@ AGENT_BUCKETS: tuple[tuple[str, str], ...] = (
     ("stop strings / output text", r"engine_agent/output_text\.py"),
     ("state pushes (WatchState, stats)",
      r"WatchState|engine_state \(|backends/vllm/state\.py|wait_for_change"),
-    ("gRPC encode / serve", r"engine_agent/proto_codec\.py|_pb2|grpc/|grpc_|engine_agent/service\.py"),
+    ("gRPC encode / serve", r"engine_agent/proto_codec\.py|_pb2|grpc/|grpc_|engine_agent/(service|session)\.py"),
     ("LENS (model, refits)", r"engine_agent/lens/"),
     ("hidden-state tap", r"backends/vllm/tap\.py|sim_tap"),
     ("agent backend glue", r"engine_agent/backends/"),
@@ -86,7 +86,7 @@ GATEWAY_BUCKETS: tuple[tuple[str, str], ...] = (
                                                r"gateway/dispatch/features\.py|gateway/cluster/"),
     ("metrics", r"prometheus_client|gateway/observability/"),
     ("SSE encode", r"gateway/api/openai_format\.py|gateway/api/sse\.py \(encode|encode_event"),
-    ("gRPC decode", r"gateway/engines/grpc_client\.py|_pb2|grpc/|grpc_"),
+    ("gRPC decode", r"gateway/engines/grpc_(client|session)\.py|_pb2|grpc/|grpc_"),
     ("upstream HTTP client / SSE parse", r"gateway/engines/openai_upstream\.py|aiohttp/client|"
                                          r"aiohttp/streams|aiohttp/connector"),
     ("request parse / validate", r"gateway/api/schemas\.py|pydantic|aiohttp/web_request|json"),

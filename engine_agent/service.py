@@ -1,6 +1,7 @@
 """The engine agent's gRPC servicer (grpc.aio): the RPCs around one `EngineBackend`.
 
-Owns: the RPC flow: Generate (validate, admit, stream), streaming deltas with the stream's text
+Owns: the RPC flow: Generate (validate, admit, stream) and Session (the same streams multiplexed on one call:
+`engine_agent.session`), streaming deltas with the stream's text
 (`engine_agent.output_text`: incremental detokenization, stop-string / stop-token-id semantics, the text's
 hand-over at a migration) and ending the stream at a stop string, usage counted from what was streamed, the
 WatchState push (interval and prompt on change, `seq` increasing across the process), GetInfo, Abort,
@@ -19,6 +20,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -44,6 +46,7 @@ from engine_agent.proto_codec import (
     to_backend_request,
     watch_interval_s,
 )
+from engine_agent.session import AgentSession, StreamRefused
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock
 from switchyard.proto_gen import engine_agent_pb2 as pb
@@ -76,6 +79,17 @@ class _InFlight:
         if self.ticket is None:
             self.ticket = ticket_to_proto(ticket, self.request)
         return self.ticket
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedStream:
+    """An admitted request before it streams: `serving` runs it."""
+
+    record: _InFlight
+    request: pb.GenerateRequest
+    backend_request: BackendRequest
+    events: AsyncIterator[BackendEvent]
+    prior: tuple[int, ...]  # output tokens before a migration (empty for Generate)
 
 
 class AgentService(pb_grpc.EngineAgentServicer):
@@ -142,8 +156,26 @@ class AgentService(pb_grpc.EngineAgentServicer):
     ) -> None:
         # A coroutine writing events (not an async generator handler), so a client cancel raises inside it
         # wherever it waits and the `aclosing` blocks abort the backend request at once.
+        try:
+            opened = self.open_generate(request)
+        except StreamRefused as exc:
+            await context.abort(exc.code, exc.message)
+        try:
+            async with self.serving(opened) as events:
+                async for event in events:
+                    await context.write(event)
+        except StreamRefused as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def Session(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.SessionUp], context: grpc.aio.ServicerContext
+    ) -> None:
+        await AgentSession(self, context).run(request_iterator)
+
+    def open_generate(self, request: pb.GenerateRequest) -> OpenedStream:
+        """Admit one Generate request (Generate or a Session's open); `StreamRefused` says why not."""
         if self._draining:
-            await context.abort(
+            raise StreamRefused(
                 grpc.StatusCode.UNAVAILABLE, "engine agent is draining; send the request elsewhere"
             )
         try:
@@ -151,13 +183,13 @@ class AgentService(pb_grpc.EngineAgentServicer):
                 request, self._tokenizer, max_context_tokens=self._backend.static.max_context_tokens
             )
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         rid = backend_request.request_id
         if rid in self._requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already running")
+            raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already running")
         record = _InFlight(request)
         events = self._backend.generate(backend_request)
-        await self._serve(context, record, request, backend_request, events, ())
+        return OpenedStream(record, request, backend_request, events, ())
 
     async def MigrateOut(  # noqa: N802 - gRPC method name
         self, request: pb.MigrateOutRequest, context: grpc.aio.ServicerContext
@@ -204,9 +236,15 @@ class AgentService(pb_grpc.EngineAgentServicer):
         original = pb.GenerateRequest()
         original.CopyFrom(request.ticket.request)
         original.request_id = rid
-        backend_request = request_from_ticket(ticket, rid)
-        record = _InFlight(original)
-        await self._serve(context, record, original, backend_request, events, ticket.output_token_ids)
+        opened = OpenedStream(
+            _InFlight(original), original, request_from_ticket(ticket, rid), events, ticket.output_token_ids
+        )
+        try:
+            async with self.serving(opened) as stream:
+                async for event in stream:
+                    await context.write(event)
+        except StreamRefused as exc:
+            await context.abort(exc.code, exc.message)
 
     async def _migrator(self, context: grpc.aio.ServicerContext) -> Migrator:
         """The backend's migration capability, or the call ends UNIMPLEMENTED saying why it is absent."""
@@ -216,25 +254,20 @@ class AgentService(pb_grpc.EngineAgentServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, self._capabilities.missing(MIGRATION))
         raise AssertionError("unreachable: context.abort raises")
 
-    async def _serve(
-        self,
-        context: grpc.aio.ServicerContext,
-        record: _InFlight,
-        request: pb.GenerateRequest,
-        breq: BackendRequest,
-        events: AsyncIterator[BackendEvent],
-        prior: tuple[int, ...],
-    ) -> None:
-        """Write one stream's events (Generate or MigrateIn), counting it in flight and in `_requests`."""
+    @contextlib.asynccontextmanager
+    async def serving(self, opened: OpenedStream) -> AsyncGenerator[AsyncIterator[pb.GenerateEvent], None]:
+        """One admitted stream's events, counted in flight and in `_requests` while the block runs; leaving
+        the block early closes the stream, which aborts the request in the backend. Iterating raises
+        `StreamRefused` when the backend refuses the request at admission."""
+        record, breq = opened.record, opened.backend_request
         rid = breq.request_id
         self._requests[rid] = record
         self._in_flight += 1
         self._idle.clear()
         try:
-            stream = self._stream(request, breq, events, prior, record, context)
+            stream = self._stream(opened.request, breq, opened.events, opened.prior, record)
             async with contextlib.aclosing(stream) as out:
-                async for event in out:
-                    await context.write(event)
+                yield out
         finally:
             record.end("closed")
             if self._requests.get(rid) is record:
@@ -285,7 +318,6 @@ class AgentService(pb_grpc.EngineAgentServicer):
         backend_events: AsyncIterator[BackendEvent],
         prior: tuple[int, ...],
         record: _InFlight,
-        context: grpc.aio.ServicerContext,
     ) -> AsyncGenerator[pb.GenerateEvent, None]:
         prompt_tokens = len(breq.prompt_token_ids)
         stops = list(request.sampling.stop)
@@ -365,9 +397,10 @@ class AgentService(pb_grpc.EngineAgentServicer):
                     emitted += len(ids)
                     yield delta_event(ids, "".join(pieces))
             except MigrationRefused as exc:  # a resume refused at admission (e.g. the id was taken meanwhile)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
             except ValueError as exc:  # admission refused by the backend (e.g. a duplicate request id)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
 
 @contextlib.asynccontextmanager
 async def _closing(events: AsyncIterator[BackendEvent]) -> AsyncGenerator[AsyncIterator[BackendEvent], None]:

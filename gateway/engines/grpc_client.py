@@ -1,12 +1,15 @@
 """`EngineClient` over gRPC to a Switchyard engine agent.
 
-Owns: the grpc.aio channel to one agent (keepalive on, created lazily inside the running loop) and the
-translation between the gateway's engine types (`gateway.engines.base`) and the generated proto messages. This
-is the only gateway module that imports `switchyard.proto_gen` (checked by tests/unit/test_import_rules.py).
+Owns: the grpc.aio channel to one agent (keepalive on, created lazily inside the running loop), how requests
+travel (by default every request on one multiplexed `Session` call per agent, `gateway.engines.grpc_session`,
+opened lazily and reopened after it breaks; `multiplex=False`, or an agent without `Session`, uses one
+`Generate` call per request), and the translation between the gateway's engine types (`gateway.domain`) and
+the generated proto messages. With `grpc_session` it is the only gateway code that imports
+`switchyard.proto_gen` (checked by tests/unit/test_import_rules.py).
 Error mapping of `generate`: a failure before the first event is `EngineUnavailable` (safe to retry
 elsewhere), except INVALID_ARGUMENT, which is `EngineRequestError` (the API answers 400); a failure after the
-first event is `EngineStreamError`. Closing the generator early cancels the RPC, and the agent aborts the
-request.
+first event is `EngineStreamError`. Closing the generator early cancels the request (a `cancel` on the
+session, or the Generate call's cancel), and the agent aborts it.
 Must not: know about routing, SSE or the HTTP API; retry (dispatch decides).
 """
 
@@ -33,6 +36,7 @@ from gateway.domain import (
     Finished,
     LensState,
 )
+from gateway.engines.grpc_session import AgentSessionCall, SessionStreamEnded
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
@@ -183,9 +187,13 @@ class GrpcEngineClient:
         connect_timeout_s: float = 5.0,
         watch_interval_ms: int = 0,
         options: tuple[tuple[str, int | str], ...] = KEEPALIVE_OPTIONS,
+        multiplex: bool = True,
     ) -> None:
-        """`address` is host:port; `watch_interval_ms` asks the agent for a report interval (0: its own)."""
+        """`address` is host:port; `watch_interval_ms` asks the agent for a report interval (0: its own);
+        `multiplex`: all requests on one Session call (False: a Generate call per request)."""
         self._address = address
+        self._multiplex = multiplex
+        self._session_call: AgentSessionCall | None = None
         self._connect_timeout_s = connect_timeout_s
         self._watch_interval_ms = watch_interval_ms
         self._options = options
@@ -223,7 +231,48 @@ class GrpcEngineClient:
             raise EngineUnavailable(f"GetInfo on {self._address}: {_describe_rpc_error(exc)}") from exc
         return from_engine_info(info)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        return self._generate_on_session(request) if self._multiplex else self._generate_call(request)
+
+    async def _session(self) -> AgentSessionCall:
+        """The live Session call to this agent, opened (again) when there is none or it broke."""
+        current = self._session_call
+        if current is None or current.broken:
+            stub = await self._connected_stub()
+            if self._session_call is current:  # nobody opened one while this waited for the channel
+                self._session_call = AgentSessionCall(stub, self._address)
+        assert self._session_call is not None
+        return self._session_call
+
+    async def _generate_on_session(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        message = to_generate_request(request)
+        session = await self._session()
+        stream = session.open(message)
+        started = False
+        try:
+            while True:
+                try:
+                    event = await stream.next()
+                except SessionStreamEnded as exc:
+                    if exc.code == grpc.StatusCode.UNIMPLEMENTED and exc.call_failed and not started:
+                        self._multiplex = False  # an agent from before Session: one call per request
+                        async for fallback in self._generate_call(request):
+                            yield fallback
+                        return
+                    detail = f"Generate {request.request_id} on {self._address}: {exc}"
+                    if started:
+                        raise EngineStreamError(detail) from exc
+                    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise EngineRequestError(exc.details or detail) from exc
+                    raise EngineUnavailable(detail) from exc
+                started = True
+                yield from_generate_event(event)
+                if event.HasField("finished"):
+                    return
+        finally:
+            session.close_stream(stream)
+
+    async def _generate_call(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         message = to_generate_request(request)
         stub = await self._connected_stub()
         call = stub.Generate(message)
@@ -259,6 +308,9 @@ class GrpcEngineClient:
         raise EngineUnavailable(f"WatchState on {self._address} ended")
 
     async def close(self) -> None:
+        if self._session_call is not None:
+            await self._session_call.close()
+            self._session_call = None
         if self._channel is not None:
             await self._channel.close()
         self._channel = None

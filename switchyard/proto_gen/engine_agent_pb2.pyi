@@ -144,6 +144,48 @@ class GenerateEvent(_message.Message):
     migrated: Migrated
     def __init__(self, admitted: _Optional[_Union[Admitted, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., migrated: _Optional[_Union[Migrated, _Mapping]] = ...) -> None: ...
 
+class SessionOpen(_message.Message):
+    __slots__ = ("tag", "request")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    request: GenerateRequest
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class SessionUp(_message.Message):
+    __slots__ = ("open", "cancel")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    open: _containers.RepeatedCompositeFieldContainer[SessionOpen]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, open: _Optional[_Iterable[_Union[SessionOpen, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TaggedEvent(_message.Message):
+    __slots__ = ("tag", "event")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    event: GenerateEvent
+    def __init__(self, tag: _Optional[int] = ..., event: _Optional[_Union[GenerateEvent, _Mapping]] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("tag", "code", "message")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    code: int
+    message: str
+    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionDown(_message.Message):
+    __slots__ = ("events", "ends")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[TaggedEvent]
+    ends: _containers.RepeatedCompositeFieldContainer[StreamEnd]
+    def __init__(self, events: _Optional[_Iterable[_Union[TaggedEvent, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[StreamEnd, _Mapping]]] = ...) -> None: ...
+
 class MigrateOutRequest(_message.Message):
     __slots__ = ("request_id", "target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class EngineAgentStub:
                 request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/switchyard.engine.v1.EngineAgent/Session',
+                request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.SessionUp.SerializeToString,
+                response_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.SessionDown.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/switchyard.engine.v1.EngineAgent/Abort',
                 request_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.AbortRequest.SerializeToString,
@@ -71,6 +76,16 @@ class EngineAgentServicer:
 
     def Generate(self, request, context):
         """Streams one request's tokens. Cancelling the call aborts the request on the engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests on one bidirectional stream (what the gateway uses): the client opens and cancels requests by
+        a tag it chooses; the agent answers with batches holding every event its requests produced since the last
+        batch (at most one delta per request per batch) and the error ends of requests that failed. A request's
+        events keep Generate's order and meaning; ending the call cancels every request still open on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +136,11 @@ def add_EngineAgentServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.FromString,
                     response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.SessionUp.FromString,
+                    response_serializer=switchyard_dot_proto__gen_dot_engine__agent__pb2.SessionDown.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -175,6 +195,33 @@ class EngineAgent:
             '/switchyard.engine.v1.EngineAgent/Generate',
             switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateRequest.SerializeToString,
             switchyard_dot_proto__gen_dot_engine__agent__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/switchyard.engine.v1.EngineAgent/Session',
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.SessionUp.SerializeToString,
+            switchyard_dot_proto__gen_dot_engine__agent__pb2.SessionDown.FromString,
             options,
             channel_credentials,
             insecure,
