@@ -19,10 +19,10 @@ from typing import Any, NoReturn
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
 
 SIM_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "sim_tokenizer"
 
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenizerLoadError(ValueError):
@@ -136,6 +136,11 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading bos)."""
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object (for its streaming decoder)."""
+        return self._backend
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
@@ -168,38 +173,43 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Streams text for streamed ids: emits only complete characters and skips special tokens.
 
-    Decodes a short window (from the last emitted boundary) so that decoders that depend on context (leading
-    spaces, byte fallback) still see it; text ending in U+FFFD is an unfinished UTF-8 sequence: held back.
+    The tokenizer library's own streaming decoder (`tokenizers.decoders.DecodeStream`) does the work in Rust:
+    it decodes a short window from the last emitted boundary, so decoders that depend on context (leading
+    spaces, byte fallback) still see it, and holds back text ending in U+FFFD (an unfinished UTF-8 sequence).
+    `flush` releases what it holds at the end of a stream; for that this keeps the window's ids (the ids of
+    the last emitting step and those fed since), never the whole output.
     """
+
+    __slots__ = ("_tokenizer", "_stream", "_window", "_pending")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._prefix_text = ""
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._window: list[int] = []  # ids of the step that last released text (the decoder's context)
+        self._pending: list[int] = []  # ids fed since, not yet released
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append ids; return the newly complete text (possibly empty)."""
         if not token_ids:
             return ""
-        self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT_CHAR):
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        text = self._stream.step(self._tokenizer.backend, ids)
+        if text is None:
+            self._pending.extend(ids)
             return ""
-        delta = text[len(self._prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        return delta
+        self._pending.extend(ids)
+        self._window, self._pending = self._pending, []
+        return str(text)
 
     def flush(self) -> str:
         """At the end of the stream: whatever is still held (an unfinished sequence decodes as U+FFFD)."""
-        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
-        delta = text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
-        self._prefix_offset = self._read_offset = len(self._ids)
-        self._prefix_text = ""
-        return delta
+        if not self._pending:
+            return ""
+        base = self._tokenizer.decode(self._window)
+        text = self._tokenizer.decode(self._window + self._pending)
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._window, self._pending = [], []
+        return text[len(base) :] if len(text) > len(base) else ""
 
 
 class StopMatcher:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,22 @@ def test_builder_reproduces_committed_files(tmp_path: Path) -> None:
         assert path.read_bytes() == committed.read_bytes(), (
             f"{path.name} differs: rerun tokenizer_build --out"
         )
+
+
+def test_incremental_detok_random_texts_and_groupings(tok: Tokenizer) -> None:
+    """Any text, streamed in any grouping of its tokens, comes out whole and never mid-character."""
+    rng = random.Random(11)
+    alphabet = "abcxyz ,.\n—éïΩ日本語🎉🙂\t0123"
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        ids = tok.encode(text)
+        detok = IncrementalDetokenizer(tok)
+        pieces: list[str] = []
+        k = 0
+        while k < len(ids):
+            step = rng.randrange(1, 5)
+            pieces.append(detok.add(ids[k : k + step]))
+            k += step
+        pieces.append(detok.flush())
+        assert "".join(pieces) == text
+        assert all("\ufffd" not in p for p in pieces)
