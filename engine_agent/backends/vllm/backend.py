@@ -4,11 +4,11 @@ Owns: building the engine from a model directory (skip_tokenizer_init: the agent
 output stays continuous across migration), token-id requests with delta outputs and exact usage, abort with
 the map between our request ids and vLLM's internal ones, engine state (a custom stat logger receives every
 step's `SchedulerStats` and iteration details in this process; the scheduler-side figures come from the
-`agent_state` utility polled while the engine is busy), the hidden-state tap's drain, migration over
-NixlConnector (finish-then-pull, as `engine_side.AgentScheduler.agent_cut` describes; whether the agent offers
-it is decided at start-up, `engine_agent.server.backend_capabilities`), and its background tasks: the state
-poller, a tap drain and a LENS refit at a time, all born after `start` and ended by `stop` (none is born once
-`stop` began).
+`agent_state` utility, read when the step stats show the request set changed), the hidden-state tap's drain,
+migration over NixlConnector (finish-then-pull, as `engine_side.AgentScheduler.agent_cut` describes; whether
+the agent offers it is decided at start-up, `engine_agent.server.backend_capabilities`), and its background
+tasks: the state reader, a tap drain and a LENS refit at a time, all born after `start` and ended by `stop`
+(none is born once `stop` began).
 Must not: import vLLM at module import time of the agent package (it loads only when this backend is chosen),
 translate protobuf, or tokenize.
 
@@ -63,8 +63,12 @@ from switchyard.clock import Clock
 log = logging.getLogger(__name__)
 
 ENGINE_SIDE = "engine_agent.backends.vllm.engine_side"
-_STATE_POLL_S = 0.05
-_IDLE_POLL_S = 1.0
+# Scheduler reads (`agent_state`) while requests run: when the step stats show the request set changed, at
+# most every _STATE_READ_MIN_S, and at least every _STATE_READ_MAX_S (the per-step carry-forward drifts
+# only by preemptions and prefix-cache hits, which the next read corrects); every _IDLE_READ_S when idle.
+_STATE_READ_MIN_S = 0.05
+_STATE_READ_MAX_S = 0.5
+_IDLE_READ_S = 1.0
 _CUT_TIMEOUT_S = 30.0
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -560,6 +564,7 @@ class VllmBackend:
             log.exception("LENS refit failed")
         else:
             lens.install_refit(outcome)
+            self._state.request_read()  # the engine-side planner gets the new parameters at the next read
         finally:
             self._refit = None
 
@@ -598,11 +603,12 @@ class VllmBackend:
             self._tap_task = None
 
     async def _poll_state(self) -> None:
-        """Read the scheduler-side figures between engine steps.
+        """Read the scheduler-side figures between engine steps, when they changed (see `_STATE_READ_*`).
 
-        Every 50 ms while requests are in flight, every second when idle: KV held for a migration is freed
-        when the target has read it, with no request left here.
+        Idle: every second, since KV held for a migration is freed when the target has read it, with no
+        request left here.
         """
+        asked = self._state.read_request_version
         while True:
             try:
                 state = await self._llm.engine_core.call_utility_async("agent_state", self._lens_update())
@@ -612,7 +618,9 @@ class VllmBackend:
                 continue
             self._apply_state(state)
             if self._streams:
-                await asyncio.sleep(_STATE_POLL_S)
+                await asyncio.sleep(_STATE_READ_MIN_S)
+                asked = await self._state.wait_for_read_request(asked, _STATE_READ_MAX_S - _STATE_READ_MIN_S)
             else:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._busy.wait(), _IDLE_POLL_S)
+                    await asyncio.wait_for(self._busy.wait(), _IDLE_READ_S)
+                asked = self._state.read_request_version

@@ -2,10 +2,13 @@
 
 Two sources: vLLM calls our stat logger in this process once per EngineCore output batch with that step's
 `SchedulerStats` (queue counts, KV usage, iteration details: the samples the LENS latency model is fitted on);
-the backend polls the scheduler-side figures (exact free blocks, reserved blocks, pending prefill tokens) with
-the `agent_state` utility and applies them here. Watchers are woken only on a significant change (running or
-waiting counts move, or free KV moves by at least 1% of the cache); the rest reaches them on the WatchState
-interval, as with the sim backend.
+the backend reads the scheduler-side figures (exact free blocks, reserved blocks, pending prefill tokens, the
+per-request token view LENS plans with) with the `agent_state` utility and applies them here. That read is
+asked for (`wait_for_read_request`) only when the step stats show the set of requests changed (an arrival, a
+finish, a preemption) or LENS has new parameters; between reads each step's iteration details carry the
+token figures forward (computed tokens join the running batch, prefill tokens leave the pending count).
+Watchers are woken only on a significant change (running or waiting counts move, or free KV moves by at least
+1% of the cache); the rest reaches them on the WatchState interval, as with the sim backend.
 
 Owns: `VllmEngineState`, `IterationSample`, `make_stat_logger`.
 Must not: call into vLLM (it receives what the logger and the poller read) or read the wall clock directly.
@@ -58,6 +61,8 @@ class VllmEngineState:
         self._sched: dict[str, Any] = {}
         self._signal = VersionSignal()
         self._published: tuple[int, int, int] = (0, 0, -1)
+        self._read_members: tuple[int, int] = (-1, -1)  # (running, waiting) at the last scheduler read
+        self._read_request = VersionSignal()
         self.lens = LensFigures()
 
     @property
@@ -90,11 +95,24 @@ class VllmEngineState:
     async def wait_for_change(self, after_version: int, timeout_s: float) -> int:
         return await self._signal.wait(after_version, timeout_s)
 
+    async def wait_for_read_request(self, after_version: int, timeout_s: float) -> int:
+        """The read-request version once above `after_version` (a scheduler read is due), or at timeout."""
+        return await self._read_request.wait(after_version, timeout_s)
+
+    @property
+    def read_request_version(self) -> int:
+        return self._read_request.version
+
+    def request_read(self) -> None:
+        """Ask for a scheduler read now (e.g. LENS has new parameters for the engine-side planner)."""
+        self._read_request.advance()
+
     def apply(self, state: dict[str, Any]) -> None:
         """The scheduler's own figures (the `agent_state` utility): exact, they replace the estimates."""
         self._sched = state
         self._num_running = int(state["num_running"])
         self._num_waiting = int(state["num_waiting"])
+        self._read_members = (self._num_running, self._num_waiting)
         self._kv_free = int(state["kv_blocks_free"])
         self._kv_total = int(state["kv_blocks_total"]) or self._kv_total
         self.publish()
@@ -114,6 +132,10 @@ class VllmEngineState:
             details = scheduler_stats.iteration_details
             if details is not None and not getattr(details, "is_dummy", False):
                 self._record(details)
+            members = (self._num_running, self._num_waiting)
+            if members != self._read_members:
+                self._read_members = members  # asked once per change; `apply` sets the exact figures
+                self._read_request.advance()
         self.publish()
 
     def _record(self, details: Any) -> None:
@@ -128,6 +150,12 @@ class VllmEngineState:
         )
         self._iterations_total += 1
         self._last_iteration_s = elapsed_s
+        sched = self._sched
+        if sched:  # carry the last scheduler read forward by what this step computed
+            computed = sample.num_prefill_tokens + sample.num_decode_tokens
+            sched["running_batch_tokens"] = int(sched["running_batch_tokens"]) + computed
+            pending = int(sched["pending_prefill_tokens"]) - sample.num_prefill_tokens
+            sched["pending_prefill_tokens"] = max(pending, 0)
         self._iterations.append(sample)
         self._on_iteration(sample)
 
