@@ -37,7 +37,9 @@ from loadgen.compare import (
     comparison_document,
     format_share_table,
     format_table,
+    mean_over_seeds,
     run_comparison,
+    with_deciders,
 )
 from loadgen.datasets import Request, dataset_names, load_dataset
 from loadgen.live import (
@@ -52,7 +54,7 @@ from loadgen.live import (
 from loadgen.metrics import Outcome, Slo, Summary, parse_slo, summarize
 from loadgen.paths import DataDirNotFoundError, resolve_data_dir
 from loadgen.results import write_results
-from loadgen.simulate import EngineSpec, SimOptions, parse_engines, simulate
+from loadgen.simulate import DECIDER_ASSIGNMENTS, EngineSpec, SimOptions, parse_engines, simulate
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -73,6 +75,37 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """"1,2,4,8" -> (1, 2, 4, 8): each >= 1, none repeated."""
+    values = tuple(_positive_int(part.strip()) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected N or N1,N2,..., got {text!r}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"values repeat: {text}")
+    return values
+
+
+def _seed_list(text: str) -> tuple[int, ...]:
+    """"0,1,2" -> (0, 1, 2): integers, none repeated."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 0,1,2, got {text!r}") from None
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct integers like 0,1,2, got {text!r}")
+    return values
 
 
 def _common_flags() -> argparse.ArgumentParser:
@@ -117,6 +150,16 @@ def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
     p.add_argument("--no-lens-state", action="store_true",
                    help="engines without planning run no LENS model and report no state vector, even for "
                         "prism (by default only prism's runs pay for it: about 2x simulator time)")
+    workers = ("gateway worker processes deciding independently (the gateway's --workers N): each with its "
+               "own cluster state, in-flight ledger, sessions and counters, all fed the same reports")
+    if single_policy:
+        p.add_argument("--deciders", type=_positive_int, default=1, metavar="N", help=workers)
+    else:
+        p.add_argument("--deciders", type=_positive_ints, default=(1,), metavar="N1,N2,...",
+                       help=workers + "; a list compares each variant at every count")
+    p.add_argument("--decider-assignment", choices=DECIDER_ASSIGNMENTS, default="random",
+                   help="how requests reach workers: random (a connection per request, a seeded uniform "
+                        "draw) or session (a keep-alive connection per session: a hash of the session id)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--policies", default="round_robin", metavar="P1,P2,...", help="policies to compare")
     cmp_.add_argument("--engines-list", metavar="MIX;MIX", help="fleets to compare, e.g. 'A:2;B:4'")
     cmp_.add_argument("--rates", metavar="R1,R2,...", help="request-rate sweep (req/s)")
+    cmp_.add_argument("--seeds", type=_seed_list, metavar="S1,S2,...",
+                      help="replicates: every run once per seed (arrivals, engine sampling, the gateway's "
+                           "draws and decider assignment; --seed still picks the requests), plus a table of "
+                           "the means")
+    cmp_.add_argument("--no-timelines", action="store_true",
+                      help="leave the per-second timelines out of the results JSON")
     cmp_.add_argument("--ablation", action="store_true",
                       help="NexusSched's four arms instead of --policies: static budget or LENS, each with "
                            "round_robin and prism")
@@ -259,7 +308,7 @@ def _report_live(args: argparse.Namespace, spec: ArrivalSpec, result: LiveResult
     return 0 if summary.completed else 1
 
 
-def _sim_options(args: argparse.Namespace, policy: str) -> SimOptions:
+def _sim_options(args: argparse.Namespace, policy: str, deciders: int = 1) -> SimOptions:
     """The simulator's options; --slo's TTFT and TPOT travel with every request (as x-slo-* headers would)."""
     slo = _slo(args)
     ttft_ms, tpot_ms = (slo.ttft_ms, slo.tpot_ms) if slo is not None else (None, None)
@@ -269,7 +318,8 @@ def _sim_options(args: argparse.Namespace, policy: str) -> SimOptions:
                       seed=args.seed, lens_planning=args.lens,
                       lens_state=False if args.no_lens_state else None,
                       slo_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
-                      slo_tpot_s=tpot_ms / 1000.0 if tpot_ms is not None else None)
+                      slo_tpot_s=tpot_ms / 1000.0 if tpot_ms is not None else None,
+                      deciders=deciders, decider_assignment=args.decider_assignment)
 
 
 def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> None:
@@ -285,20 +335,24 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
 
     engines = parse_engines(args.engines)
     _check_model(args, engines)
-    options = _sim_options(args, args.policy)
+    options = _sim_options(args, args.policy, args.deciders)
     make_policy(options.policy, options.policy_params)  # unknown policy or parameter: a usage error, up front
     result = simulate(schedule(requests, spec), engines, options)
     summary = summarize(result.outcomes, max(result.duration_s, 1e-9), _slo(args))
     _print_summary(f"simulated: {args.policy} on {args.engines}", summary)
+    if options.deciders > 1:
+        print(f"{'Decisions per decider:':<36}{' / '.join(str(d['decisions']) for d in result.per_decider)} "
+              f"({options.decider_assignment})")
     print(f"{'Simulator wall time (s):':<36}{result.wall_s:.2f} "
           f"({result.simulated_s_per_wall_s:.1f} simulated s per wall s)")
-    extra = {"per_engine": result.per_engine, "sim_wall_s": result.wall_s, "events_processed":
-             result.events_processed, "simulated_s_per_wall_s": result.simulated_s_per_wall_s,
-             "timeline": result.timeline}
+    extra = {"per_engine": result.per_engine, "per_decider": result.per_decider, "sim_wall_s": result.wall_s,
+             "events_processed": result.events_processed,
+             "simulated_s_per_wall_s": result.simulated_s_per_wall_s, "timeline": result.timeline}
     config = {**_base_config(args, spec), "engines": args.engines, "policy": args.policy,
               "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,
               "report_delay_ms": args.report_delay_ms, "lens": args.lens,
-              "lens_state": not args.no_lens_state}
+              "lens_state": not args.no_lens_state, "deciders": args.deciders,
+              "decider_assignment": args.decider_assignment}
     _write(args, {**summary.to_dict(), **extra}, config, result.outcomes, result.timeline,
            f"simulated {args.dataset}: {args.policy} on {args.engines}")
     return 0 if summary.completed else 1
@@ -322,27 +376,39 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
             rates = [float(r) for r in args.rates.split(",") if r.strip()]
         except ValueError:
             raise UsageError(f"--rates: expected numbers like 2,4,8, got {args.rates!r}") from None
-    variants = (ablation_variants(fleets, params) if args.ablation
-                else build_variants(policies, fleets, params))
-    runs = run_comparison(requests, spec, variants, _sim_options(args, policies[0]), rates=rates,
+    variants = with_deciders(ablation_variants(fleets, params) if args.ablation
+                             else build_variants(policies, fleets, params), args.deciders)
+    seeds = args.seeds
+    runs = run_comparison(requests, spec, variants, _sim_options(args, policies[0]), rates=rates, seeds=seeds,
                           slo=_slo(args), on_run=lambda run: print(f"done: {run['label']} at rate "
-                                                                   f"{run['rate']}", file=sys.stderr))
-    print(format_table(runs))
-    shares = format_share_table(runs)
+                                                                   f"{run['rate']} seed {run['seed']}",
+                                                                   file=sys.stderr))
+    means = mean_over_seeds(runs) if seeds is not None and len(seeds) > 1 else None
+    shown = runs if means is None else [{**run, "label": f"{run['label']} s={run['seed']}"} for run in runs]
+    print(format_table(shown))
+    shares = format_share_table(shown)
     if shares:
         print(shares)
+    if means is not None:
+        print(f"mean over seeds {','.join(str(seed) for seed in seeds)}")
+        print(format_table(means))
     if args.output:
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         config = {**_base_config(args, spec), "policies": policies, "engines_list": mixes, "rates": rates,
                   "policy_params": params, "lens": args.lens, "lens_state": not args.no_lens_state,
-                  "ablation": args.ablation}
-        path.write_bytes(orjson.dumps(comparison_document(runs, config), option=orjson.OPT_INDENT_2) + b"\n")
+                  "ablation": args.ablation, "deciders": list(args.deciders),
+                  "decider_assignment": args.decider_assignment,
+                  "state_interval_ms": args.state_interval_ms, "report_delay_ms": args.report_delay_ms,
+                  "seeds": list(seeds) if seeds is not None else None}
+        document = comparison_document(runs, config, means=means, timelines=not args.no_timelines)
+        path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
         print(f"results: {path}")
         if not args.no_plots:
             from loadgen.plots import compare_figure, plot_paths  # noqa: PLC0415
 
-            png = compare_figure(runs, plot_paths(path)["compare"], f"{args.dataset}: latency vs load")
+            png = compare_figure(runs if means is None else means, plot_paths(path)["compare"],
+                                 f"{args.dataset}: latency vs load")
             print(f"plot: {png}")
     return 0
 

@@ -1,10 +1,11 @@
 """Policy (or fleet) comparison in the simulator: the same trace and seed under each variant and request rate.
 
-Owns: ``Variant`` (a label, a policy with its parameters, an engine mix and LENS planning on or off), building
-the variants from policy and fleet lists (and NexusSched's four ablation arms, ``ablation_variants``), running
-the simulator once per (variant, rate) on schedules drawn from one request list with one seed, the
-side-by-side text table, the request share per engine type (the paper's Fig. 4b), and the comparison
-document layout.
+Owns: ``Variant`` (a label, a policy with its parameters, an engine mix, LENS planning on or off and the
+number of gateway workers deciding independently), building the variants from policy and fleet lists (and
+NexusSched's four ablation arms, ``ablation_variants``; ``with_deciders`` repeats them per worker count),
+running the simulator once per (variant, rate, seed) on schedules drawn from one request list (one seed, or a
+seed sweep for replicates, ``mean_over_seeds``), the side-by-side text table, the request share per engine
+type (the paper's Fig. 4b), and the comparison document layout.
 Must not: parse command lines, load datasets, plot (``loadgen.plots``) or write files.
 """
 
@@ -46,14 +47,16 @@ def _no_params() -> Mapping[str, object]:
 
 @dataclass(frozen=True)
 class Variant:
-    """One column of a comparison: a policy with its parameters on an engine mix; `lens_planning` None
-    follows the shared `SimOptions`."""
+    """One column of a comparison: a policy with its parameters on an engine mix; `lens_planning` and
+    `deciders` (gateway workers deciding independently, `SimOptions.deciders`) None follow the shared
+    `SimOptions`."""
 
     label: str
     policy: str
     engines: tuple[EngineSpec, ...]
     policy_params: Mapping[str, object] = field(default_factory=_no_params)
     lens_planning: bool | None = None
+    deciders: int | None = None
 
 
 # NexusSched §7.3's ablation: (label, policy, LENS planning).
@@ -119,6 +122,21 @@ def build_variants(
     return out
 
 
+def with_deciders(variants: Sequence[Variant], counts: Sequence[int]) -> list[Variant]:
+    """Each variant once per decider count (gateway workers), in that order; with more than one count the
+    labels gain " d=N". One count: the variants with it set, labels unchanged."""
+    if not counts:
+        raise ValueError("a comparison needs at least one decider count")
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"decider counts repeat: {list(counts)}")
+    for count in counts:
+        if count < 1:
+            raise ValueError(f"decider counts must be >= 1, got {count}")
+    if len(counts) == 1:
+        return [replace(v, deciders=counts[0]) for v in variants]
+    return [replace(v, label=f"{v.label} d={n}", deciders=n) for v in variants for n in counts]
+
+
 def run_comparison(
     requests: Sequence[Request],
     arrival: ArrivalSpec,
@@ -126,37 +144,51 @@ def run_comparison(
     options: SimOptions,
     *,
     rates: Sequence[float] | None = None,
+    seeds: Sequence[int] | None = None,
     slo: Slo | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One simulation per (rate, variant); each returns {label, policy, policy_params, engines, rate,
-    lens_planning, summary (vLLM-style flat dict), per_engine, share_by_profile (request share per engine
-    type), timeline, sim_wall_s, simulated_s_per_wall_s}. Every variant
-    at a rate replays the identical schedule; ``on_run`` sees each run as it finishes."""
+    """One simulation per (rate, seed, variant); each returns {label, policy, policy_params, engines, rate,
+    seed, lens_planning, deciders, decider_assignment, summary (vLLM-style flat dict), per_engine,
+    per_decider, share_by_profile (request share per engine type), timeline, sim_wall_s,
+    simulated_s_per_wall_s}. Every variant at a (rate, seed) replays the identical schedule; ``on_run`` sees
+    each run as it finishes. ``seeds`` (default: the arrival spec's seed and the options' seed, which should
+    agree) replaces both seeds per replicate: the arrival draws, the engines' sampling and the gateway's
+    random draws and decider assignment; the request list stays the one given."""
     if rates is not None and arrival.timestamps:
         raise ValueError("--rates sweeps the request rate and cannot be combined with --timestamps")
     sweep: list[float | None] = list(rates) if rates else [None]
     for rate in sweep:
         if rate is not None and not rate > 0:
             raise ValueError(f"rates must be > 0, got {rate}")
+    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"seeds must be a non-empty list without repeats, got {list(seeds)}")
+    replicates: list[int | None] = list(seeds) if seeds is not None else [None]
     runs = []
-    for rate in sweep:
+    for rate, seed in ((rate, seed) for rate in sweep for seed in replicates):
         spec = arrival if rate is None else ArrivalSpec(**{**arrival.model_dump(), "rate_per_s": rate})
+        shared = options
+        if seed is not None:
+            spec = ArrivalSpec(**{**spec.model_dump(), "seed": seed})
+            shared = replace(options, seed=seed)
         plan = schedule(requests, spec)
         if not plan:
             raise ValueError("the schedule is empty: no request to simulate")
         for variant in variants:
-            opts = replace(options, policy=variant.policy, policy_params=variant.policy_params)
+            opts = replace(shared, policy=variant.policy, policy_params=variant.policy_params)
             if variant.lens_planning is not None:
                 opts = replace(opts, lens_planning=variant.lens_planning)
+            if variant.deciders is not None:
+                opts = replace(opts, deciders=variant.deciders)
             result = simulate(plan, variant.engines, opts)
             summary = summarize(result.outcomes, max(result.duration_s, 1e-9), slo).to_dict()
             run = {
                 "label": variant.label, "policy": variant.policy,
                 "policy_params": dict(variant.policy_params),
                 "engines": engines_label(variant.engines), "lens_planning": opts.lens_planning,
-                "rate": spec.rate_per_s, "summary": summary,
-                "per_engine": result.per_engine,
+                "deciders": opts.deciders, "decider_assignment": opts.decider_assignment,
+                "rate": spec.rate_per_s, "seed": opts.seed, "summary": summary,
+                "per_engine": result.per_engine, "per_decider": result.per_decider,
                 "share_by_profile": share_by_profile(result.per_engine), "timeline": result.timeline,
                 "sim_wall_s": result.wall_s,
                 "simulated_s_per_wall_s": result.simulated_s_per_wall_s,
@@ -166,6 +198,41 @@ def run_comparison(
             if on_run is not None:
                 on_run(run)
     return runs
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def mean_over_seeds(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The replicates of each (label, rate) folded into one row, in first-seen order: {label, policy,
+    engines, deciders, decider_assignment, rate, seeds, summary (the mean of each numeric summary figure,
+    None unless every replicate has it), summary_min, summary_max (its extremes over the replicates)}."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((str(run["label"]), _rate_text(run["rate"])), []).append(run)
+    rows = []
+    for group in groups.values():
+        first = group[0]
+        mean: dict[str, float | None] = {}
+        low: dict[str, float | None] = {}
+        high: dict[str, float | None] = {}
+        for key, value in first["summary"].items():
+            if not (value is None or _number(value)):
+                continue  # lists, strings: not averaged
+            values = [run["summary"].get(key) for run in group]
+            if all(_number(v) for v in values):
+                numbers = [float(v) for v in values]
+                mean[key], low[key], high[key] = math.fsum(numbers) / len(numbers), min(numbers), max(numbers)
+            else:
+                mean[key] = low[key] = high[key] = None
+        rows.append({
+            "label": first["label"], "policy": first.get("policy"), "engines": first.get("engines"),
+            "deciders": first.get("deciders"), "decider_assignment": first.get("decider_assignment"),
+            "rate": first["rate"], "seeds": [run.get("seed") for run in group], "summary": mean,
+            "summary_min": low, "summary_max": high,
+        })
+    return rows
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -215,9 +282,21 @@ def format_share_table(runs: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def comparison_document(runs: Sequence[Mapping[str, Any]], config: Mapping[str, Any]) -> dict[str, Any]:
-    """The comparison JSON: schema, the shared configuration and every run (without per-request outcomes)."""
-    return {"schema": COMPARE_SCHEMA, "config": to_jsonable(config), "runs": to_jsonable(list(runs))}
+def comparison_document(
+    runs: Sequence[Mapping[str, Any]],
+    config: Mapping[str, Any],
+    *,
+    means: Sequence[Mapping[str, Any]] | None = None,
+    timelines: bool = True,
+) -> dict[str, Any]:
+    """The comparison JSON: schema, the shared configuration and every run (without per-request outcomes;
+    without the per-second timelines when ``timelines`` is False), plus ``means`` (``mean_over_seeds``)
+    when given."""
+    kept = [run if timelines else {k: v for k, v in run.items() if k != "timeline"} for run in runs]
+    doc = {"schema": COMPARE_SCHEMA, "config": to_jsonable(config), "runs": to_jsonable(kept)}
+    if means is not None:
+        doc["means"] = to_jsonable(list(means))
+    return doc
 
 
 AGREEMENT_KEYS: tuple[str, ...] = (

@@ -1,8 +1,8 @@
 """The discrete-event cluster simulator: the gateway's policies on a simulated fleet, in virtual time.
 
 Owns: the public entry point `simulate(schedule, engines, options, *, progress=None) -> SimResult` and its
-types `EngineSpec` / `parse_engines`, `SimOptions`, `SimResult` (re-exported here; the modules are `spec`,
-`reports`, `fleet` and `runner`).
+types `EngineSpec` / `parse_engines`, `SimOptions`, `SimResult`, `DeciderAssignment` / `DECIDER_ASSIGNMENTS`
+(re-exported here; the modules are `spec`, `reports`, `fleet`, `deciders` and `runner`).
 Must not: implement routing, cluster accounting or engine behaviour of its own: it drives the shipped code.
 
 Semantics
@@ -39,6 +39,12 @@ Semantics
   each snapshot the newest report sent by then - `report_delay_s` is handed over with its true receive time,
   which gives the snapshots every-report delivery would give (see `reports`). Between reports, the
   optimistic accounting of `ClusterState` covers what was dispatched.
+- Gateway workers (`SimOptions.deciders`, the gateway's `--workers N`; `loadgen.simulate.deciders`): each
+  arrival is assigned to one of N deciders (a seeded uniform draw, or a seeded hash of its session id), and
+  everything above that is the gateway's (the snapshot, the policy, `rand`, `dispatch_seq`, the session
+  record, `note_dispatch`, `note_finish`, `note_latency`) is that decider's own: its `ClusterState` knows only
+  its own dispatches between reports. Every decider's state receives every report, at the same time. One
+  decider is the single-process gateway, bit for bit.
 - LENS (`engine_agent.sim.lens_adapter.SimLens`): every engine runs LENS's online model and reports its state
   vector (what `prism` reads) unless `lens_state` is off; it plans each iteration's token budget when
   `lens_planning` (or the engine spec's `:lens`) says so. Its refits run inline at iteration ends, so runs
@@ -47,7 +53,16 @@ Semantics
   does.
 """
 
+from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment
 from loadgen.simulate.runner import simulate
 from loadgen.simulate.spec import EngineSpec, SimOptions, SimResult, parse_engines
 
-__all__ = ["EngineSpec", "SimOptions", "SimResult", "parse_engines", "simulate"]
+__all__ = [
+    "DECIDER_ASSIGNMENTS",
+    "DeciderAssignment",
+    "EngineSpec",
+    "SimOptions",
+    "SimResult",
+    "parse_engines",
+    "simulate",
+]

@@ -3,7 +3,9 @@
 Owns: the event loop (arrivals and timeline samples in time order as sync points, each engine advanced through
 its iteration completions up to every sync point), executing each arrival's `ChoiceLife` in virtual time (the
 gateway's request-life core: a `Moment` per decision, the `Dispatch` recorded on `ClusterState`, admission on
-the engine, release and the latency sample at the finish), and the per-request token times that become
+the engine, release and the latency sample at the finish), on the decider (gateway worker) the arrival is
+assigned to (`loadgen.simulate.deciders`: that worker's state records the dispatch, the release and the
+latency sample; every worker's state receives every report), and the per-request token times that become
 `loadgen.metrics.Outcome`s.
 Must not: model engines (that is `SimEngine`, invariant I2), decide anything of a
 request's life (routing, retries, what a finish records: `gateway.dispatch.life` does, as it does live;
@@ -14,18 +16,17 @@ time is data, invariant I3).
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Sequence
 from operator import sub
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
-from gateway.cluster.state import ClusterState
 from gateway.dispatch.features import RoutingHints
-from gateway.dispatch.life import ChoiceLife, Decision, GiveUp, Moment, RecordLatency, record_dispatch
+from gateway.dispatch.life import ChoiceLife, Decision, GiveUp, RecordLatency, record_dispatch
 from gateway.domain import ChatTurn, EngineRequest, Finished
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome
+from loadgen.simulate.deciders import Decider, DeciderAssigner, build_deciders
 from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet
 from loadgen.simulate.spec import EngineSpec, SimOptions, SimResult
 from switchyard.clock import Clock, MonotonicClock
@@ -69,16 +70,20 @@ class _Run:
         self.options = options
         self.progress = progress
         self.on_decision = on_decision
-        self.policy = make_policy(options.policy, options.policy_params)
-        self.state = ClusterState(stale_after_s=options.stale_after_s)
-        self.rng = random.Random(options.seed)
+        self.deciders: list[Decider] = build_deciders(
+            options.deciders, make_policy, options.policy, options.policy_params, seed=options.seed,
+            stale_after_s=options.stale_after_s)
+        self.states = tuple(d.state for d in self.deciders)
+        self.assign = DeciderAssigner(options.deciders, options.decider_assignment, options.seed)
+        self.decisions = [0] * options.deciders  # per decider: routing decisions made
+        self.dispatched = [0] * options.deciders  # per decider: dispatches the engine accepted
         self.model = nodes[0].model
         self.prompt_ids = PromptIds()
         self.t0 = self.schedule[0][0] if self.schedule else 0.0
         self.outcomes: list[Outcome | None] = [None] * len(self.schedule)
         self.times_of: dict[str, list[float]] = {}  # request id -> its token times, while in flight
-        self.info: dict[str, tuple[int, ChoiceLife]] = {}  # request id -> (schedule index, its life)
-        self.dispatch_seq = 0
+        # request id -> (schedule index, its life, the decider that dispatched it)
+        self.info: dict[str, tuple[int, ChoiceLife, Decider]] = {}
         self.produced = 0  # output tokens delivered since the last timeline sample
         self.last_event_s = self.t0
         self.timeline: list[dict[str, float]] = []
@@ -88,9 +93,10 @@ class _Run:
     def connect(self) -> None:
         connect_s = self.t0 - self.options.report_delay_s - CONNECT_LEAD_S
         for node in self.nodes:
-            self.state.add_engine(node.engine_id, connect_s)
-            self.state.on_describe(node.engine_id, node.feed.identity)
-            self.state.on_connect(node.engine_id)
+            for state in self.states:  # every worker opens its own watch stream
+                state.add_engine(node.engine_id, connect_s)
+                state.on_describe(node.engine_id, node.feed.identity)
+                state.on_connect(node.engine_id)
             node.feed.connect(connect_s)
 
     def run(self) -> None:
@@ -121,15 +127,17 @@ class _Run:
     # ---- events ------------------------------------------------------------------------------------------
 
     def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
-        state = self.state
-        on_report, advance = state.on_report, self._advance
+        states, advance = self.states, self._advance
         for node in self.nodes:  # bring every engine to now_s, then hand over what the gateway has received
             if node.done_s <= now_s:
                 advance(node, now_s)
             got = node.feed.receive(now_s)
             if got is not None:
-                on_report(node.engine_id, got[0], got[1])
+                for receiver in states:  # every worker receives every report
+                    receiver.on_report(node.engine_id, got[0], got[1])
         session_id = request.session_id or ""
+        decider = self.deciders[self.assign(session_id)]
+        state = decider.state
         session_engine, session_last_used_s = (
             state.session_lookup(session_id, now_s) if session_id else (None, 0.0))
         forced_tokens = request.output_tokens or 0
@@ -141,9 +149,8 @@ class _Run:
                              slo_tpot_s=options.slo_tpot_s)
         life = ChoiceLife(engine_request, hints, session_engine=session_engine,
                           session_last_used_s=session_last_used_s)
-        decision = life.route(self.policy, Moment(now_s, self.dispatch_seq, self.rng.random(),
-                                                  state.snapshot(now_s)))
-        self.dispatch_seq += 1
+        decision = life.route(decider.policy, decider.moment(now_s))
+        self.decisions[decider.index] += 1
         if self.on_decision is not None:
             self.on_decision(decision)
         if isinstance(decision, GiveUp):
@@ -162,23 +169,25 @@ class _Run:
         try:
             node.engine.add_request(backend_request, now_s)
         except ValueError as exc:  # live: the agent refuses it (INVALID_ARGUMENT), the gateway answers 400
-            self._release(life)
+            self._release(life, decider)
             self._fail(index, now_s, request, str(exc), node.engine_id)
             return
         life.on_first_event()  # live: the agent's `admitted` event; no retry after it
         node.requests += 1
+        self.dispatched[decider.index] += 1
         self.times_of[rid] = []
-        self.info[rid] = (index, life)
+        self.info[rid] = (index, life, decider)
         node.feed.on_change(now_s)
         if not node.busy:
             node.busy = True
             self._start_step(node, now_s)
 
-    def _release(self, life: ChoiceLife) -> None:
-        """Close the life's open attempt and release its dispatch, as the live dispatcher's `finally` does."""
+    def _release(self, life: ChoiceLife, decider: Decider) -> None:
+        """Close the life's open attempt and release its dispatch on the ledger of the worker that made it, as
+        the live dispatcher's `finally` does."""
         released = life.on_closed()
         if released is not None:
-            self.state.note_finish(released, life.request.request_id)
+            decider.state.note_finish(released, life.request.request_id)
 
     def _start_step(self, node: SimNode, now_s: float) -> None:
         """Run the engine's next iteration at `now_s` (an idle engine woken by an admission)."""
@@ -243,16 +252,16 @@ class _Run:
 
     def _finish(self, node: SimNode, rid: str, event: FinishEvent, now_s: float) -> None:
         times = self.times_of.pop(rid)
-        index, life = self.info.pop(rid)
+        index, life, decider = self.info.pop(rid)
         arrival_s = life.hints.arrival_s
         if times:
             life.on_token(times[0])
         outcome = life.on_finished(
             Finished(event.finish_reason, event.usage.prompt_tokens, event.usage.completion_tokens,
                      error_message=event.error_message), now_s)
-        self._release(life)
+        self._release(life, decider)
         if isinstance(outcome, RecordLatency):
-            self.state.note_latency(outcome.engine_id, outcome.ttft_s, outcome.e2e_s, outcome.now_s)
+            decider.state.note_latency(outcome.engine_id, outcome.ttft_s, outcome.e2e_s, outcome.now_s)
         self.last_event_s = max(self.last_event_s, now_s)
         usage = event.usage
         self.outcomes[index] = Outcome(
@@ -315,4 +324,6 @@ def simulate(
         per_engine={n.engine_id: n.totals() for n in nodes},
         timeline=run.timeline,
         events_processed=len(run.schedule) + sum(n.iterations() + n.empty_steps for n in nodes),
+        per_decider=[{"decisions": made, "dispatched": accepted}
+                     for made, accepted in zip(run.decisions, run.dispatched, strict=True)],
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine_agent.sim.profiles import get_profile
 from loadgen.metrics import Outcome
+from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment
 
 # Policies that read the engines' LENS state vector; the simulator runs LENS's model for them by default.
 LENS_STATE_POLICIES = frozenset({"prism"})
@@ -89,6 +90,12 @@ class SimOptions:
     the simulator about 2x); False with planning off: no LENS at all.
     `slo_ttft_s` / `slo_tpot_s`: the SLOs every request carries (to the policy's features and to the
     engine), as the gateway takes them from `x-slo-*` headers; None: none sent.
+    `deciders`: gateway worker processes deciding independently (the gateway's `--workers N`): each has its
+    own cluster state (its own in-flight ledger, session table and latency window, fed the same engine
+    reports), policy instance, dispatch counter and random stream (see `loadgen.simulate.deciders`); 1 is
+    the single-process gateway. `decider_assignment`: how requests reach workers, "random" (a connection
+    per request: a uniform seeded draw) or "session" (a keep-alive connection per session: a seeded hash of
+    the session id; requests without one are drawn).
     """
 
     policy: str = "round_robin"
@@ -103,6 +110,8 @@ class SimOptions:
     lens_state: bool | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    deciders: int = 1
+    decider_assignment: DeciderAssignment = "random"
 
     def __post_init__(self) -> None:
         positive = {"state_interval_s": self.state_interval_s, "stale_after_s": self.stale_after_s,
@@ -118,6 +127,12 @@ class SimOptions:
         if self.max_output_tokens_default < 1:
             raise ValueError(f"SimOptions.max_output_tokens_default must be >= 1, "
                              f"got {self.max_output_tokens_default}")
+        if self.deciders < 1:
+            raise ValueError(f"SimOptions.deciders must be >= 1, got {self.deciders}")
+        if self.decider_assignment not in DECIDER_ASSIGNMENTS:
+            known = ", ".join(DECIDER_ASSIGNMENTS)
+            raise ValueError(f"SimOptions.decider_assignment must be one of {known}, "
+                             f"got {self.decider_assignment!r}")
         if not isinstance(self.policy_params, MappingProxyType):
             object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
 
@@ -131,7 +146,8 @@ class SimResult:
     output_tokens, busy_s (summed iteration time), iterations}; `timeline`: one row every `record_timeline_s`
     of {t_s, in_flight (dispatched, not finished), running, waiting (engine totals), throughput_tokens_per_s
     (output tokens over the period ending at t_s)}; `events_processed`: arrivals plus engine iterations
-    simulated.
+    simulated; `per_decider`: one row per decider (gateway worker) of {decisions (routing decisions it
+    made), dispatched (requests it dispatched that the engine accepted)}.
     """
 
     outcomes: list[Outcome]
@@ -140,6 +156,7 @@ class SimResult:
     per_engine: dict[str, dict[str, Any]]
     timeline: list[dict[str, float]]
     events_processed: int
+    per_decider: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def simulated_s_per_wall_s(self) -> float:
