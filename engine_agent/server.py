@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -109,6 +110,23 @@ def backend_capabilities(config: AgentConfig, backend: EngineBackend) -> Capabil
     return Capabilities.of(backend, switched_off=switched_off)
 
 
+def nixl_side_channel_port(config: AgentConfig) -> int:
+    """The port NIXL's side channel listens on: `--nixl-port`, else the agent's port + 1000."""
+    return config.vllm.nixl_side_channel_port or config.port + 1000
+
+
+def check_port_free(host: str, port: int, what: str, flag: str) -> None:
+    """Fail start-up at once, naming the flag, when `host:port` cannot be bound (vLLM would fail later, after
+    loading the model, with a less clear error)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, port))
+    except OSError as exc:
+        raise AgentStartupError(
+            f"cannot bind {what} on {host}:{port}: {exc.strerror or exc} (choose another with {flag})"
+        ) from exc
+
+
 async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asyncio.Event | None = None) -> int:
     """Run an agent until SIGTERM/SIGINT (or `stop` is set); returns the exit status (0 after a drain)."""
     clock = clock or MonotonicClock()
@@ -121,6 +139,9 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
         ", ".join(capabilities.names) or "none",
         ", ".join(f"{name} ({why})" for name, why in capabilities.switched_off.items()) or "none",
     )
+    if config.backend == "vllm" and capabilities.migrator is not None:
+        host, port = config.vllm.nixl_side_channel_host, nixl_side_channel_port(config)
+        check_port_free(host, port, "the NIXL side channel", "--nixl-port")
     service = AgentService(
         backend, tokenizer, clock=clock, state_interval_s=config.state_interval_s, capabilities=capabilities
     )

@@ -236,7 +236,7 @@ class VllmBackend:
             if bind:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         if cfg.enable_migration:
-            port = cfg.nixl_side_channel_port or self._agent_port + 1000
+            port = cfg.nixl_side_channel_port or self._agent_port + 1000  # checked free by the server
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.nixl_side_channel_host
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
