@@ -160,12 +160,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
             opened = self.open_generate(request)
         except StreamRefused as exc:
             await context.abort(exc.code, exc.message)
-        try:
-            async with self.serving(opened) as events:
-                async for event in events:
-                    await context.write(event)
-        except StreamRefused as exc:
-            await context.abort(exc.code, exc.message)
+        await self._write_call(context, opened)
 
     async def Session(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.SessionUp], context: grpc.aio.ServicerContext
@@ -239,9 +234,13 @@ class AgentService(pb_grpc.EngineAgentServicer):
         opened = OpenedStream(
             _InFlight(original), original, request_from_ticket(ticket, rid), events, ticket.output_token_ids
         )
+        await self._write_call(context, opened)
+
+    async def _write_call(self, context: grpc.aio.ServicerContext, opened: OpenedStream) -> None:
+        """One stream as its call's messages (Generate, MigrateIn); a refusal ends the call, with its code."""
         try:
-            async with self.serving(opened) as stream:
-                async for event in stream:
+            async with self.serving(opened) as events:
+                async for event in events:
                     await context.write(event)
         except StreamRefused as exc:
             await context.abort(exc.code, exc.message)

@@ -12,7 +12,8 @@ from engine_agent.server import AgentStartupError, check_port_free, nixl_side_ch
 
 def test_side_channel_port_defaults_to_agent_port_plus_1000() -> None:
     assert nixl_side_channel_port(AgentConfig(port=50051)) == 51051
-    assert nixl_side_channel_port(AgentConfig(port=50051, vllm=VllmConfig(nixl_side_channel_port=6000))) == 6000
+    explicit = AgentConfig(port=50051, vllm=VllmConfig(nixl_side_channel_port=6000))
+    assert nixl_side_channel_port(explicit) == 6000
 
 
 def test_taken_port_is_refused_naming_the_flag() -> None:

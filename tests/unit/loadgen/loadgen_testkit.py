@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from gateway.domain import ClusterSnapshot, EngineId, RequestFeatures
+from gateway.policies.base import Policy
+from loadgen.simulate import runner as runner_module
 
 FIXTURE_DATA = Path(__file__).resolve().parents[2] / "fixtures" / "data"
 
@@ -42,3 +48,29 @@ def with_bos(tok: Tokenizer) -> Tokenizer:
     bos_id = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos_id)])
     return tok
+
+
+class Recording:
+    """The real policy, keeping what it was shown (one per policy instance the simulator makes, in order)."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.NAME = inner.NAME
+        self.seen: list[tuple[RequestFeatures, ClusterSnapshot]] = []
+
+    def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
+        self.seen.append((features, snapshot))
+        return self.inner.pick(features, snapshot)
+
+
+def record_policies(monkeypatch: pytest.MonkeyPatch) -> list[Recording]:
+    """Make the simulator's policies `Recording`s; the list fills as it makes them."""
+    made: list[Recording] = []
+    real = runner_module.make_policy
+
+    def make(name: str, params: Mapping[str, object] | None = None) -> Policy:
+        made.append(Recording(real(name, params)))
+        return made[-1]  # type: ignore[return-value]
+
+    monkeypatch.setattr(runner_module, "make_policy", make)
+    return made

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from loadgen_testkit import Recording, record_policies
 
 from engine_agent.backends.sim import SimBackend
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec, TokenEvent
@@ -15,11 +15,9 @@ from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.profiles import get_profile
 from engine_agent.sim.reporting import ChangeGate
 from gateway.cluster.state import ClusterState
-from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, RequestFeatures
-from gateway.policies.base import Policy
+from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport
 from loadgen.datasets import Request
 from loadgen.simulate import EngineSpec, SimOptions, parse_engines, simulate
-from loadgen.simulate import runner as runner_module
 from loadgen.simulate.reports import ReportFeed, describe_engine, report_from_stats
 from switchyard.clock import MonotonicClock
 
@@ -35,29 +33,9 @@ def engine_of(result_outcomes: list[Any]) -> list[str | None]:
     return [o.engine_id for o in result_outcomes]
 
 
-class Recording:
-    """Wraps the real policy and keeps what it was shown (a real fake: decisions are the policy's own)."""
-
-    def __init__(self, inner: Policy) -> None:
-        self.inner = inner
-        self.seen: list[tuple[RequestFeatures, ClusterSnapshot]] = []
-
-    def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
-        self.seen.append((features, snapshot))
-        return self.inner.pick(features, snapshot)
-
-
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[Recording]:
-    made: list[Recording] = []
-    real = runner_module.make_policy
-
-    def make(name: str, params: Mapping[str, object] | None = None) -> Policy:
-        made.append(Recording(real(name, params)))
-        return made[-1]  # type: ignore[return-value]
-
-    monkeypatch.setattr(runner_module, "make_policy", make)
-    return made
+    return record_policies(monkeypatch)
 
 
 def test_parse_engines_and_options_validation() -> None:

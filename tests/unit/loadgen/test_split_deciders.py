@@ -5,19 +5,16 @@ the assignment of requests to workers is a function of the seed."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from loadgen_testkit import Recording, record_policies
 
 from gateway.dispatch.life import Decision, Dispatch
-from gateway.domain import ClusterSnapshot, EngineId, RequestFeatures
-from gateway.policies.base import Policy
 from loadgen.cli import main
 from loadgen.compare import Variant, mean_over_seeds, with_deciders
 from loadgen.datasets import Request
 from loadgen.simulate import EngineSpec, SimOptions, simulate
-from loadgen.simulate import runner as runner_module
 from loadgen.simulate.deciders import DeciderAssigner
 
 H100 = "h100-llama3-8b"
@@ -30,30 +27,9 @@ def req(rid: str, prompt_tokens: int = 100, output_tokens: int = 8, session_id: 
     )
 
 
-class Recording:
-    """The real policy, keeping what it was shown: one per decider, in decider order."""
-
-    def __init__(self, inner: Policy) -> None:
-        self.inner = inner
-        self.NAME = inner.NAME
-        self.seen: list[tuple[RequestFeatures, ClusterSnapshot]] = []
-
-    def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
-        self.seen.append((features, snapshot))
-        return self.inner.pick(features, snapshot)
-
-
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[Recording]:
-    made: list[Recording] = []
-    real = runner_module.make_policy
-
-    def make(name: str, params: Mapping[str, object] | None = None) -> Policy:
-        made.append(Recording(real(name, params)))
-        return made[-1]  # type: ignore[return-value]
-
-    monkeypatch.setattr(runner_module, "make_policy", make)
-    return made
+    return record_policies(monkeypatch)
 
 
 def session_reaching(decider: int, count: int, seed: int) -> str:
