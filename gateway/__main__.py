@@ -1,9 +1,12 @@
 """Command line of the gateway: `python -m gateway --port 8000 --policy round_robin --engine HOST:PORT ...`.
 
-Owns: flags (only those given override the file and the environment), one-line operator errors (exit 2),
-logging set-up, and the event loop: uvloop is installed here and nowhere else. `main(argv, prog=...)` is what
+Owns: flags (only those given override the file and the environment), one-line operator errors (exit 2; 1 when
+a worker of a multi-worker gateway dies), logging set-up, and the event loop: uvloop is installed here and
+nowhere else. `--workers 1` (the default) runs `gateway.app.serve` in this process; `--workers N` runs the
+supervisor (`gateway.workers.supervisor`), whose workers are this same entry code again (`--worker-spec PATH`,
+an internal flag), so each worker process installs uvloop here too. `main(argv, prog=...)` is what
 `switchyard gateway ...` delegates to.
-Must not: wire components (that is `gateway.app`).
+Must not: wire components (that is `gateway.app`) or manage worker processes (that is the supervisor).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from typing import Any
 
 from gateway.app import serve
 from gateway.config import ConfigError, GatewayConfig, build_config
+from gateway.workers.spec import read_spec
+from gateway.workers.supervisor import WorkerFailed, supervise
+from gateway.workers.worker import run_worker
 
 
 def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
@@ -38,6 +44,11 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         help="policy parameter (VALUE parsed as JSON, else a string); repeatable",
     )
     p.add_argument("--engine", action="append", metavar="HOST:PORT", help="engine agent (gRPC); repeatable")
+    p.add_argument(
+        "--engine-streams",
+        choices=["session", "per_request"],
+        help="to agents: one multiplexed Session call per agent (default) or one Generate call per request",
+    )
     p.add_argument("--upstream", action="append", metavar="URL", help="OpenAI-compatible server; repeatable")
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--request-timeout-s", type=float)
@@ -54,6 +65,13 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         help="honour the x-switchyard-policy request header",
     )
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="worker processes serving the port (SO_REUSEPORT), each with its own event loop; default 1",
+    )
+    p.add_argument("--worker-spec", metavar="PATH", help=argparse.SUPPRESS)  # a supervisor's worker
     return p
 
 
@@ -84,6 +102,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "max_dispatch_attempts",
         "allow_policy_override",
         "log_level",
+        "workers",
+        "engine_streams",
     )
     for name in simple:
         value = getattr(args, name)
@@ -114,15 +134,28 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def configure_logging(config: GatewayConfig) -> None:
+def configure_logging(config: GatewayConfig, *, worker: int | None = None) -> None:
+    tag = "" if worker is None else f"[worker {worker}] "
     logging.basicConfig(
-        level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=config.log_level,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s",
     )
+
+
+def _worker_main(spec_path: str) -> int:
+    spec = read_spec(spec_path)
+    configure_logging(spec.config, worker=spec.index)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(run_worker(spec))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gateway") -> int:
     args = build_argparser(prog).parse_args(argv)
     try:
+        if args.worker_spec is not None:
+            return _worker_main(args.worker_spec)
         config = build_config(file_path=args.config, environ=os.environ, cli=cli_overrides(args))
         if not config.engines and not config.upstreams:
             raise ConfigError(
@@ -130,10 +163,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gateway") 
             )
         configure_logging(config)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config))
+            runner.run(serve(config) if config.workers == 1 else supervise(config))
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except WorkerFailed as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

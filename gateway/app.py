@@ -4,7 +4,10 @@ Owns: `build_app` (typed `AppKey`s; background work born in `cleanup_ctx`: the c
 the upstreams' clients, each with its own pooled HTTP session), the engine clients built from config (engine
 id = the configured address), and `serve` (listen, then on SIGTERM/SIGINT: stop accepting, `/health` turns
 503, in-flight streams drain for up to `drain_timeout_s`, then remaining handlers are cancelled, which closes
-their engine streams; last the store stops and the clients close).
+their engine streams; last the store stops and the clients close). In a worker process of a multi-worker
+gateway (`gateway.workers`, given a `WorkerSpec`): `/metrics` merges its siblings' expositions
+(`observability.siblings`), responses name the worker (`x-switchyard-worker`), and `serve` listens with
+SO_REUSEPORT or on the socket the supervisor bound.
 Must not: hold module-level state, install an event loop policy (`__main__` does), or contain request logic.
 """
 
@@ -16,7 +19,8 @@ import gc
 import logging
 import random
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 
 from aiohttp import web
 
@@ -30,8 +34,11 @@ from gateway.domain import EngineId
 from gateway.engines.base import EngineClient
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.engines.openai_upstream import OpenAIUpstreamClient
+from gateway.observability.loop_lag import lag_monitor_ctx
 from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.siblings import SiblingScrape
 from gateway.policies.registry import POLICY_NAMES, make_policy
+from gateway.workers.spec import WORKER_HEADER, WorkerSpec
 from switchyard.clock import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,9 @@ STORE_KEY = web.AppKey("store", ClusterStore)
 DISPATCHER_KEY = web.AppKey("dispatcher", Dispatcher)
 HANDLERS_KEY = web.AppKey("handlers", ApiHandlers)
 _DRAIN_GRACE_S = 1.0
+# The accept queue: aiohttp's default (128) overflowed when clients opened 2,000 streams a second
+# (benchmarks/gateway_scale.py: connection resets); the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 4096
 # The cyclic collector's default first threshold (700 net container allocations) is crossed ~100 times a
 # second by the objects of in-flight requests, each collection walking all of them: 5 % of the gateway's CPU
 # at 64 streams. At 20,000 no collection ran in 6 s of the same load.
@@ -55,8 +65,10 @@ def build_app(
     engine_clients: Mapping[EngineId, EngineClient] | None = None,
     wall_clock: Clock | None = None,
     rng: random.Random | None = None,
+    worker: WorkerSpec | None = None,
 ) -> web.Application:
-    """The gateway app. `engine_clients` replaces the engines and upstreams of `config` (tests, embedding)."""
+    """The gateway app. `engine_clients` replaces the engines and upstreams of `config` (tests, embedding);
+    `worker`: this app is one of a multi-worker gateway's (see the module docstring)."""
     clock = clock or MonotonicClock()
     log_effective_config(config, log)
     try:
@@ -64,10 +76,15 @@ def build_app(
     except ValueError as e:
         raise ConfigError(f"policy: {e}") from e
     metrics = GatewayMetrics()
+    metrics.workers.set(config.workers)
+    scrape = SiblingScrape(metrics, worker.sibling_sockets()) if worker is not None else None
     clients: dict[EngineId, EngineClient] = (
         dict(engine_clients)
         if engine_clients is not None
-        else {EngineId(address): GrpcEngineClient(address) for address in config.engines}
+        else {
+            EngineId(address): GrpcEngineClient(address, multiplex=config.engine_streams == "session")
+            for address in config.engines
+        }
     )
     store = ClusterStore(
         clients, clock, stale_after_s=config.stale_after_s, session_ttl_s=config.session_ttl_s
@@ -88,6 +105,7 @@ def build_app(
         metrics=metrics,
         clock=clock,
         wall_clock=wall_clock or WallClock(),
+        exposition=scrape.exposition if scrape is not None else None,
     )
     app = web.Application(middlewares=[openai_error_middleware])
     app[CONFIG_KEY] = config
@@ -98,9 +116,20 @@ def build_app(
     handlers.add_routes(app)
     upstreams = () if engine_clients is not None else config.upstreams
     app.cleanup_ctx.append(_engines_ctx(upstreams))
+    app.cleanup_ctx.append(lag_monitor_ctx(metrics.loop_lag.observe))  # switchyard_event_loop_lag_seconds
+    if worker is not None and scrape is not None:
+        app.cleanup_ctx.append(scrape.ctx)
+        app.on_response_prepare.append(_worker_header(str(worker.index)))
     app.on_shutdown.append(_begin_drain)
     app.on_cleanup.append(_end_drain)
     return app
+
+
+def _worker_header(index: str) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    async def name_the_worker(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[WORKER_HEADER] = index
+
+    return name_the_worker
 
 
 def _engines_ctx(upstreams: tuple[str, ...]) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -109,7 +138,8 @@ def _engines_ctx(upstreams: tuple[str, ...]) -> Callable[[web.Application], Asyn
         for url in upstreams:
             # One session (connection pool) per upstream, owned and closed by its client: a slow upstream
             # cannot hold the connections another one needs.
-            store.add_engine(EngineId(url), OpenAIUpstreamClient(url))
+            client = OpenAIUpstreamClient(url, max_connections=app[CONFIG_KEY].upstream_max_connections)
+            store.add_engine(EngineId(url), client)
         metrics.attach_engine_state(store.snapshot)
         await store.start()
         try:
@@ -139,11 +169,15 @@ async def serve(
     on_listening: Callable[[str], None] | None = None,
     app: web.Application | None = None,
     handle_signals: bool = True,
+    reuse_port: bool = False,
+    sock: socket.socket | None = None,
 ) -> None:
     """Run the gateway until `stop` is set (or SIGTERM/SIGINT, when `handle_signals`), then shut down
     gracefully.
 
-    `on_listening` gets the base URL once the socket is bound (port 0 resolves to the real port)."""
+    `on_listening` gets the base URL once the socket is bound (port 0 resolves to the real port). A worker of
+    a multi-worker gateway binds `config.host:port` with SO_REUSEPORT (`reuse_port`) or serves the listening
+    socket `sock` its supervisor bound."""
     app = app or build_app(config)
     stop = stop or asyncio.Event()
     # aiohttp's own deadline comes a little after ours (handlers' `begin_drain`), which ends stragglers with a
@@ -160,7 +194,13 @@ async def serve(
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
     try:
-        site = web.TCPSite(runner, config.host, config.port)
+        site: web.BaseSite = (
+            web.SockSite(runner, sock)
+            if sock is not None
+            else web.TCPSite(
+                runner, config.host, config.port, reuse_port=reuse_port or None, backlog=LISTEN_BACKLOG
+            )
+        )
         try:
             await site.start()
         except OSError as e:

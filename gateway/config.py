@@ -65,7 +65,13 @@ class GatewayConfig(_Frozen):
     port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
     policy: PolicyConfig = PolicyConfig()
     engines: tuple[EngineAddress, ...] = ()  # Switchyard engine agents (gRPC)
+    # How requests travel to an agent: "session", all on one multiplexed Session call per agent (events of an
+    # engine step batched in one message); "per_request", one Generate call each (the pre-Session protocol).
+    engine_streams: Literal["session", "per_request"] = "session"
     upstreams: tuple[UpstreamUrl, ...] = ()  # plain OpenAI-compatible servers
+    # Pooled connections per upstream: one per in-flight stream (HTTP/1.1); a stream waiting for one fails
+    # after the connect timeout. Bounds file descriptors (each stream also holds its client's socket).
+    upstream_max_connections: int = Field(4096, ge=1)
     max_body_bytes: int = Field(4 * MIB, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)
@@ -75,6 +81,8 @@ class GatewayConfig(_Frozen):
     slo: SloConfig = SloConfig()
     allow_policy_override: bool = False  # honour the x-switchyard-policy request header
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Processes serving the port (gateway.workers); 1 = this process alone, no supervisor.
+    workers: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> GatewayConfig:

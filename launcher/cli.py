@@ -1,11 +1,13 @@
 """The `switchyard` console command.
 
   switchyard up [--port 8000] [--engines 4] [--profile P ...] [--policy round_robin] [--base-agent-port 50051]
+                [--gateway-workers 1]
   switchyard up --backend vllm --model DIR [--engines 1] [--startup-timeout-s 300] ...
       N engine agents as child processes: simulated (profiles cycled: a heterogeneous fleet when several are
       given) or real vLLM serving the model directory DIR (one per machine by default on a CPU), the gateway
-      in this process, a copy-pastable curl and OpenAI SDK example; Ctrl-C/SIGTERM stops the gateway
-      (draining) and then every child (terminated and reaped).
+      in this process (with --gateway-workers N > 1: this process supervises N gateway worker processes on
+      the port, `gateway.workers.supervisor`), a copy-pastable curl and OpenAI SDK example; Ctrl-C/SIGTERM
+      stops the gateway (draining) and then every child (terminated and reaped).
   switchyard tiny-model --out DIR [--hidden-size 128 --layers 2 --heads 4 --kv-heads 2 --seed 0 ...] [--force]
       writes a tiny random-weight Llama model (with the repository's tokenizer) that vLLM can serve on a CPU.
   switchyard gateway ...   delegates to `gateway.__main__.main`
@@ -34,6 +36,7 @@ from gateway.__main__ import main as gateway_main
 from gateway.app import serve
 from gateway.config import ConfigError, GatewayConfig, PolicyConfig
 from gateway.engines.grpc_client import GrpcEngineClient
+from gateway.workers.supervisor import WorkerFailed, supervise
 from launcher.local_fleet import (
     BACKENDS,
     DEFAULT_START_TIMEOUT_S,
@@ -91,6 +94,13 @@ def build_up_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_START_TIMEOUT_S['sim']:g} s sim, {DEFAULT_START_TIMEOUT_S['vllm']:g} s vllm)",
     )
     p.add_argument("--drain-timeout-s", type=float, default=5.0, help="how long shutdown waits for streams")
+    p.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway worker processes serving the port (default 1: the gateway runs in this process)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -120,6 +130,8 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.startup_timeout_s = DEFAULT_START_TIMEOUT_S[backend]
     elif args.startup_timeout_s <= 0:
         parser.error("--startup-timeout-s must be positive")
+    if args.gateway_workers < 1:
+        parser.error("--gateway-workers must be at least 1")
 
 
 def banner(base_url: str, specs: Sequence[AgentSpec], models: Sequence[str], policy: str) -> str:
@@ -192,13 +204,17 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
             policy=PolicyConfig(name=args.policy),
             engines=tuple(s.address for s in specs),
             drain_timeout_s=args.drain_timeout_s,
+            workers=args.gateway_workers,
             log_level=args.log_level,
         )
 
         def announce(base_url: str) -> None:
             print(banner(base_url, specs, models, args.policy), flush=True)
 
-        await serve(config, stop=stop, on_listening=announce, handle_signals=False)
+        if config.workers == 1:
+            await serve(config, stop=stop, on_listening=announce, handle_signals=False)
+        else:
+            await supervise(config, stop=stop, on_listening=announce, handle_signals=False)
         return 0
     finally:
         await fleet.stop()
@@ -229,7 +245,7 @@ def up(argv: Sequence[str]) -> int:
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(_up(args, specs))
-    except FleetError as e:
+    except (FleetError, WorkerFailed) as e:
         print(f"switchyard up: error: {e}", file=sys.stderr)
         return 1
     except ConfigError as e:

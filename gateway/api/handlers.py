@@ -63,6 +63,8 @@ class ApiHandlers:
     metrics: GatewayMetrics
     clock: Clock
     wall_clock: Clock
+    # What `/metrics` answers when not this process's registry alone (a worker: the whole gateway's).
+    exposition: Callable[[], Awaitable[bytes]] | None = None
     draining: bool = False
     _inflight_ids: set[str] = field(default_factory=set)
     _inflight_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -121,7 +123,8 @@ class ApiHandlers:
         )
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        body = self.metrics.render() if self.exposition is None else await self.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrival_s = self.clock.now()
@@ -157,13 +160,17 @@ class ApiHandlers:
             )
             fmt_cls = ChatFormat if chat else CompletionFormat
             fmt = fmt_cls(request_id, int(self.wall_clock.now()), parsed.model, parsed.include_usage)
-            if parsed.stream:
-                relay = StreamRelay(request, fmt, parsed.n, parsed.include_usage, headers)
+            stream, n, include_usage = parsed.stream, parsed.n, parsed.include_usage
+            # A stream can last minutes: the raw body and the parsed model (each prompt-sized, the model
+            # 1.5 KiB more) do not live in this frame for it; the engine requests hold what engines need.
+            del body, parsed
+            if stream:
+                relay = StreamRelay(request, fmt, n, include_usage, headers)
                 await self.dispatcher.run(reqs, hints, relay)
                 await relay.finish()
                 status = 200
                 return relay.response
-            relay = CollectRelay(request, fmt, parsed.n)
+            relay = CollectRelay(request, fmt, n)
             await self.dispatcher.run(reqs, hints, relay)
             status = 200
             return web.Response(

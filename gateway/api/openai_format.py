@@ -36,6 +36,7 @@ class _ResponseFormat(ABC):
     ID_PREFIX: ClassVar[str]
     CHUNK_OBJECT: ClassVar[str]
     BODY_OBJECT: ClassVar[str]
+    __slots__ = ("response_id", "_created", "_model", "_include_usage")  # one per request, as long as it
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool) -> None:
         self.response_id = f"{self.ID_PREFIX}-{request_id}"
@@ -83,6 +84,7 @@ class ChatFormat(_ResponseFormat):
     ID_PREFIX = "chatcmpl"
     CHUNK_OBJECT = "chat.completion.chunk"
     BODY_OBJECT = "chat.completion"
+    __slots__ = ()
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return self._chunk(
@@ -117,6 +119,7 @@ class CompletionFormat(_ResponseFormat):
     ID_PREFIX = "cmpl"
     CHUNK_OBJECT = "text_completion"
     BODY_OBJECT = "text_completion"
+    __slots__ = ()
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return None  # completions have no role chunk

@@ -26,6 +26,8 @@ from gateway.domain import Admitted, Delta, EngineEvent, Finished
 
 
 class UsageTally:
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
+
     def __init__(self, n: int) -> None:
         self.prompt_tokens = [0] * n
         self.cached_tokens = [0] * n
@@ -47,6 +49,9 @@ class UsageTally:
 class StreamRelay:
     """`stream: true`: chunks as events arrive. Headers go out with the first event, so errors before it can
     still be answered with a proper HTTP status."""
+
+    # Slotted, as the writer and the formats: one of each lives as long as its stream, idle or not.
+    __slots__ = ("_sse", "_fmt", "_content", "_first_token", "_include_usage", "tally")
 
     def __init__(
         self,
@@ -117,6 +122,8 @@ class StreamRelay:
 
 class CollectRelay:
     """`stream: false`: accumulate every choice, answer one JSON body at the end."""
+
+    __slots__ = ("_request", "_fmt", "_texts", "_finish_reasons", "tally")
 
     def __init__(self, request: web.BaseRequest, fmt: ResponseFormat, n: int) -> None:
         self._request = request

@@ -74,6 +74,19 @@ class SseWriter:
     `send_frame` (at once when it is the tick's first write, else at the end of the tick) and `send_now` (at
     once, after whatever is queued)."""
 
+    __slots__ = (
+        "response",
+        "_request",
+        "started",
+        "_loop",
+        "_pending",
+        "_pending_bytes",
+        "_flusher",
+        "_writing",
+        "_wrote_this_tick",
+        "_broken",
+    )
+
     def __init__(self, request: web.BaseRequest, headers: Mapping[str, str]) -> None:
         self.response: web.StreamResponse = _SseResponse(status=200, headers={**SSE_HEADERS, **headers})
         self._request = request

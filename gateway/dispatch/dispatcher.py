@@ -191,6 +191,7 @@ class Dispatcher:
             started_s = self._clock.now()
             moment = Moment(started_s, next(self._seq), self._rng.random(), state.snapshot())
             decision = life.route(policy, moment)
+            del moment  # its snapshot (a view per engine) must not live as long as the stream does
             self._metrics.routing_decision.labels(policy_name).observe(self._clock.now() - started_s)
             self._on_decision(decision)
             if isinstance(decision, GiveUp):

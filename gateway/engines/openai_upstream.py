@@ -58,7 +58,7 @@ _RETRYABLE_4XX = frozenset({408, 429})
 _DRAIN_TIMEOUT_S = 1.0
 # One streaming request holds one connection (HTTP/1.1): the cap is far above any engine's batch plus queue
 # and only guards file descriptors; a request waiting for a pooled connection counts against the connect
-# timeout.
+# timeout. The default of the gateway's `upstream_max_connections`.
 MAX_CONNECTIONS = 4096
 KEEPALIVE_S = 4.0
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -135,9 +135,9 @@ def parse_metrics(text: str) -> tuple[int, int, int, int]:
     return running, waiting, total_blocks, round((1.0 - usage) * total_blocks)
 
 
-def upstream_session() -> aiohttp.ClientSession:
+def upstream_session(max_connections: int = MAX_CONNECTIONS) -> aiohttp.ClientSession:
     """The HTTP session of one upstream: pooled keep-alive connections, no cookie handling."""
-    connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_S)
+    connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
 
@@ -239,11 +239,13 @@ class OpenAIUpstreamClient:
         engine_id: str | None = None,
         connect_timeout_s: float = 5.0,
         clock: Clock | None = None,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """`session` is borrowed when given (the caller closes it), else created on first use (an
-        `upstream_session`) and owned."""
+        `upstream_session` of `max_connections`) and owned."""
         self._base_url = base_url.rstrip("/")
         self._session = session
+        self._max_connections = max_connections
         self._owns_session = session is None
         self._metrics_interval_s = metrics_interval_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -265,7 +267,7 @@ class OpenAIUpstreamClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = upstream_session()
+            self._session = upstream_session(self._max_connections)
         return self._session
 
     def _url(self, path: str) -> URL:
@@ -302,10 +304,12 @@ class OpenAIUpstreamClient:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         path, body = build_body(request)
+        data = orjson.dumps(body)
+        del body  # the body's dicts must not live in this frame as long as the stream does
         started = reusable = False
         try:
             resp = await self._http().post(
-                self._url(path), data=orjson.dumps(body), headers=self._post_headers, timeout=self._timeout
+                self._url(path), data=data, headers=self._post_headers, timeout=self._timeout
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise EngineUnavailable(f"POST {self._base_url}{path} failed: {exc!r}") from exc

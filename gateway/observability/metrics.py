@@ -1,8 +1,9 @@
 """Prometheus metrics of one gateway process, on the process's own registry (no globals).
 
-Owns: `GatewayMetrics` (request counters, latency histograms, routing-decision timing), `LoopHistogram` (the
-histogram of the per-token path) and the scrape-time collector that turns the cluster store's pushed engine
-state into per-engine gauges.
+Owns: `GatewayMetrics` (request counters, latency histograms, routing-decision timing, event-loop lag fed by
+`loop_lag`), `LoopHistogram` (the histogram of the per-token path) and the scrape-time collector that turns
+the cluster store's pushed engine state into per-engine gauges; `SHARED_GAUGES`, the gauges a multi-worker
+gateway's merged scrape takes from one worker instead of summing (observability/merge.py).
 Must not: read clocks (callers pass durations in seconds), decide anything, or touch engines; the engine
 collector only reads a snapshot when Prometheus scrapes.
 """
@@ -20,6 +21,19 @@ from prometheus_client.utils import floatToGoString
 from gateway.domain import ClusterSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Gauges every worker process of one gateway (gateway.workers) reports alike: the engine state each worker's
+# store is pushed, and the configured worker count. A merged scrape (observability/merge.py) takes them from
+# the answering worker; every other gauge describes its own process (in-flight requests) and is summed.
+SHARED_GAUGES = frozenset(
+    {
+        "switchyard_engine_running_requests",
+        "switchyard_engine_waiting_requests",
+        "switchyard_engine_kv_free_ratio",
+        "switchyard_engine_ready",
+        "switchyard_engine_state_age_seconds",
+        "switchyard_gateway_workers",
+    }
+)
 
 # Buckets follow vLLM's front-end histograms so dashboards line up.
 _TTFT_BUCKETS_S = (
@@ -91,6 +105,28 @@ _E2E_BUCKETS_S = (
     1920.0,
 )
 _DECISION_BUCKETS_S = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2)
+# Fine from 0.5 to 10 ms, where a p99 target sits (gateway/observability/loop_lag.py); coarse beyond.
+_LOOP_LAG_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.004,
+    0.005,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 _go_float: Callable[[float], str] = floatToGoString  # how prometheus_client writes `le` (untyped there)
 
 
@@ -243,9 +279,25 @@ class GatewayMetrics:
             registry=r,
             labelnames=["policy"],
         )
+        self.loop_lag = LoopHistogram(
+            "switchyard_event_loop_lag_seconds",
+            "How late the event loop woke a periodic timer (gateway.observability.loop_lag)",
+            buckets=_LOOP_LAG_BUCKETS_S,
+            registry=r,
+        )
         self.retries = Counter(
             "switchyard_dispatch_retries_total",
             "Dispatches whose engine was unavailable before the first event (then retried elsewhere)",
+            registry=r,
+        )
+        self.workers = Gauge(
+            "switchyard_gateway_workers", "Worker processes serving this gateway's port", registry=r
+        )
+        self.workers.set(1)
+        self.scrape_worker_errors = Counter(
+            "switchyard_metrics_scrape_worker_errors_total",
+            "Scrapes that left out a sibling worker's metrics (it did not answer in time), by that worker",
+            ["worker"],
             registry=r,
         )
         self._engine_collector: EngineStateCollector | None = None

@@ -85,3 +85,11 @@ def test_nested_policy_params_from_a_file_build_prism_and_static_weighted(tmp_pa
     }
     c = build_config(environ=environ)
     assert make_policy(c.policy.name, c.policy.params).NAME == "static_weighted"
+
+
+def test_engine_streams_default_session_and_flag() -> None:
+    assert GatewayConfig().engine_streams == "session"
+    args = build_argparser().parse_args(["--engine-streams", "per_request"])
+    assert build_config(environ={}, cli=cli_overrides(args)).engine_streams == "per_request"
+    with pytest.raises(ConfigError, match="engine_streams"):
+        build_config(environ={"SWITCHYARD_GATEWAY_ENGINE_STREAMS": "carrier-pigeon"})
