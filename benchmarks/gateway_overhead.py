@@ -14,6 +14,13 @@ One invocation starts the mock upstream (benchmarks/mock_upstream.py) and a gate
   requests over them round robin; `--itl-ms X` paces their chunks X ms apart (default 0: each stream is one
   burst, which the gateway reads and writes in a few socket operations; paced, every chunk is a read and a
   write of its own, as with a real engine);
+- `--workers N` (N > 1) also starts a gateway with `--workers N` in front of the same upstreams and measures,
+  at each concurrency, its streamed chunks per second against the one-worker gateway's (`--repeat` pairs,
+  alternating, medians kept); the JSON's `workers` section has both ceilings (the best median over the
+  concurrencies), their ratio `n_over_one` (target: >= 1.6 for 2 workers on 2 cores, `target_ratio`), and the
+  CPU both gateways used (a supervised gateway: the supervisor and its workers, from /proc). On a machine
+  with as many cores as workers, the client and the mock upstreams compete with the workers for them: give
+  the upstreams cores of their own (`--upstreams`, another machine) to see the gateway's own ceiling;
 - loadgen's own measurement lag (`loadgen.live.run_live`, the machinery of `python -m loadgen run`) against a
   second mock upstream with scripted timing (every content chunk, the first included, `--itl-ms 10` after the
   previous one): measured minus scripted TTFT and ITL, and how late each request is sent after its planned
@@ -21,7 +28,7 @@ One invocation starts the mock upstream (benchmarks/mock_upstream.py) and a gate
 Results are printed and written as JSON (default results/gateway_overhead.json).
 
     .venv/bin/python benchmarks/gateway_overhead.py [--requests 200] [--tokens 64] [--concurrency 64 256 1024]
-        [--upstreams 2] [--repeat 3] [--skip-lag]
+        [--upstreams 2] [--repeat 3] [--skip-lag] [--workers 2]
 """
 
 from __future__ import annotations
@@ -159,6 +166,80 @@ async def loadgen_lag(url: str, requests: int, tokens: int, spacing_s: float) ->
     }
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and its children (a supervised gateway: the supervisor and its workers)."""
+    pids = [pid]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent's pid
+                pids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    total = 0.0
+    for p in pids:
+        try:
+            total += cpu_seconds(p)
+        except OSError:
+            continue
+    return total
+
+
+def wait_workers(url: str, workers: int, timeout_s: float = 60.0) -> None:
+    """Until each of `workers` workers (`x-switchyard-worker`) answered /health 200, on new connections."""
+
+    async def probe() -> None:
+        deadline = time.monotonic() + timeout_s
+        healthy: set[str] = set()
+        while len(healthy) < workers:
+            try:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            healthy.add(r.headers.get("x-switchyard-worker", ""))
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}: {len(healthy)} of {workers} workers healthy after {timeout_s}s")
+            await asyncio.sleep(0.02)
+
+    asyncio.run(probe())
+
+
+def workers_scaling(
+    one: tuple[int, str], many: tuple[int, str], workers: int, args: argparse.Namespace
+) -> dict[str, object]:
+    """Chunks/s of the one-worker gateway and of the `workers`-worker one at each concurrency, alternating."""
+    per_conc: dict[str, object] = {}
+    best_one = best_many = 0.0
+    cpu = {"one": 0.0, "many": 0.0}
+    for conc in args.concurrency:
+        ones, manys = [], []
+        for _ in range(args.repeat):
+            for (pid, url), runs, key in ((one, ones, "one"), (many, manys, "many")):
+                c0 = tree_cpu_seconds(pid)
+                runs.append(asyncio.run(throughput(url, conc, args.per_worker, args.tokens)))
+                cpu[key] += tree_cpu_seconds(pid) - c0
+        m1, mn = statistics.median(ones), statistics.median(manys)
+        best_one, best_many = max(best_one, m1), max(best_many, mn)
+        per_conc[f"concurrency_{conc}"] = {
+            "one_worker_chunks_per_s": m1,
+            f"{workers}_workers_chunks_per_s": mn,
+            "n_over_one": mn / m1,
+            "one_worker_runs": ones,
+            f"{workers}_workers_runs": manys,
+        }
+    return {
+        "workers": workers,
+        "one_worker_max_chunks_per_s": best_one,
+        f"{workers}_workers_max_chunks_per_s": best_many,
+        "n_over_one": best_many / best_one,
+        "target_ratio": 0.8 * workers,  # 1.6 for 2 workers
+        "one_worker_cpu_s": cpu["one"],
+        f"{workers}_workers_cpu_s": cpu["many"],
+        **per_conc,
+    }
+
+
 def wait_http(url: str, timeout_s: float = 30.0) -> None:
     async def probe() -> None:
         deadline = time.monotonic() + timeout_s
@@ -198,6 +279,8 @@ def main() -> int:
                     help="chunks per stream of the extra run that splits CPU per request and per chunk")
     ap.add_argument("--itl-ms", type=float, default=0.0, help="mock upstreams' gap between chunks")
     ap.add_argument("--skip-lag", action="store_true", help="skip loadgen's measurement lag")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="also measure a gateway with this many workers against the one-worker gateway")
     ap.add_argument("--output", type=Path, default=REPO / "results" / "gateway_overhead.json")
     args = ap.parse_args()
 
@@ -216,6 +299,16 @@ def main() -> int:
                               cwd=REPO, stdout=subprocess.DEVNULL)
         procs.append(gw)
         wait_http(via + "/health")
+        many: tuple[int, str] | None = None
+        if args.workers > 1:
+            many_url = f"http://127.0.0.1:{free_port()}"
+            gw_many = subprocess.Popen(
+                [py, "-m", "gateway", "--workers", str(args.workers), "--port", many_url.rsplit(":", 1)[1],
+                 "--policy", "round_robin", *(a for url in directs for a in ("--upstream", url))],
+                cwd=REPO, stdout=subprocess.DEVNULL)
+            procs.append(gw_many)
+            wait_workers(many_url, args.workers)
+            many = (gw_many.pid, many_url)
 
         res: dict[str, object] = {"tokens_per_stream": args.tokens, "cpu_cores": os.cpu_count(),
                                   "upstreams": args.upstreams, "itl_ms": args.itl_ms,
@@ -269,6 +362,8 @@ def main() -> int:
             "split_tokens": args.split_tokens,
             "runs": args.repeat,
         }
+        if many is not None:
+            res["workers"] = workers_scaling((gw.pid, via), many, args.workers, args)
         if args.skip_lag:
             return finish(res, args.output)
         lag_port = free_port()

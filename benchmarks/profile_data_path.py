@@ -24,6 +24,7 @@ to ptrace the children (root, or ptrace_scope 0).
 
     .venv/bin/python benchmarks/profile_data_path.py [--scenes vllm relay] [--concurrency 32] [--requests 64]
         [--max-tokens 128] [--relay-requests 400] [--relay-concurrency 64] [--rate 200] [--no-migration]
+        [--engine-streams session|per_request]
         [--model DIR] [--output PATH]
 """
 
@@ -67,7 +68,8 @@ AGENT_BUCKETS: tuple[tuple[str, str], ...] = (
     ("stop strings / output text", r"engine_agent/output_text\.py"),
     ("state pushes (WatchState, stats)",
      r"WatchState|engine_state \(|backends/vllm/state\.py|wait_for_change"),
-    ("gRPC encode / serve", r"engine_agent/proto_codec\.py|_pb2|grpc/|grpc_|engine_agent/(service|session)\.py"),
+    ("gRPC encode / serve",
+     r"engine_agent/proto_codec\.py|_pb2|grpc/|grpc_|engine_agent/(service|session)\.py"),
     ("LENS (model, refits)", r"engine_agent/lens/"),
     ("hidden-state tap", r"backends/vllm/tap\.py|sim_tap"),
     ("agent backend glue", r"engine_agent/backends/"),
@@ -234,7 +236,8 @@ def measure(parts: Sequence[Proc], url: str, prompts: list[str], args: argparse.
 def scene_vllm(args: argparse.Namespace, env: dict[str, str], log_dir: Path) -> dict[str, Any]:
     procs: list[Proc] = []
     try:
-        url, info, parts = start_switchyard(args, env, log_dir, procs, migration=not args.no_migration)
+        url, info, parts = start_switchyard(args, env, log_dir, procs, migration=not args.no_migration,
+                                            engine_streams=args.engine_streams)
         prompts = make_prompts(args.requests, args.seed, args.min_words, args.max_words)
         res = measure(parts, url, prompts, args, args.max_tokens, args.concurrency, log_dir, "vllm")
         res["migration"] = not args.no_migration
@@ -288,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--relay-concurrency", type=int, default=64)
     ap.add_argument("--relay-tokens", type=int, default=64)
     ap.add_argument("--no-migration", action="store_true", help="the agent without NIXL (default: NIXL on)")
+    ap.add_argument("--engine-streams", choices=["session", "per_request"], default="session",
+                    help="the gateway's transport to the agent (default: the multiplexed Session)")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-words", type=int, default=8)
@@ -321,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tmp_model = tempfile.TemporaryDirectory(prefix="tiny-llama-")
                 args.model = build_tiny_model(Path(tmp_model.name) / "tiny-llama")
             result["scenes"]["vllm"] = scene_vllm(args, env, log_dir)
-            label = "vllm" + (" (no migration)" if args.no_migration else "")
+            label = "vllm" + (" (no migration)" if args.no_migration else "") + (
+                " (per-request streams)" if args.engine_streams == "per_request" else "")
             print_scene(label, result["scenes"]["vllm"])
         if "relay" in args.scenes:
             result["scenes"]["relay"] = scene_relay(args, env, log_dir)

@@ -9,7 +9,9 @@ serves it three ways, one after the other, each as local subprocesses started fr
   health SERVING, then gateway spawn to `/health` with the engine ready;
 - switchyard-no-migration: the same with the agent's `--no-migration` (no NIXL connector, vLLM's own OpenMP
   binding, whose "auto" mode on x86 also reserves one core; the lines it logs are kept in the JSON as
-  `omp_binding`); skipped with --no-no-migration.
+  `omp_binding`); skipped with --no-no-migration;
+- switchyard-per-request (with --per-request-streams): NIXL on, the gateway's `--engine-streams per_request`
+  (one Generate call per request, the protocol before the multiplexed Session), for the A/B of the two.
 Both engines get the same engine settings (max model length, block size, eager mode, max sequences, max
 batched tokens, 1 GiB CPU KV cache) and the environment VLLM_TARGET_DEVICE=cpu, VLLM_CPU_KVCACHE_SPACE.
 The client is the same for all: streaming POST /v1/chat/completions with `ignore_eos`, temperature 0 and
@@ -23,7 +25,7 @@ written as JSON (default results/vllm_gateway_vs_serve.json); process logs go to
 shown on failure).
 
     .venv/bin/python benchmarks/vllm_gateway_vs_serve.py [--model DIR] [--requests 64] [--concurrency 8 32]
-        [--max-tokens 128] [--warmup 4] [--no-no-migration] [--output PATH]
+        [--max-tokens 128] [--warmup 4] [--no-no-migration] [--per-request-streams] [--output PATH]
 """
 
 from __future__ import annotations
@@ -406,8 +408,9 @@ def start_vllm_serve(args: argparse.Namespace, env: dict[str, str], log_dir: Pat
 
 
 def start_switchyard(args: argparse.Namespace, env: dict[str, str], log_dir: Path, procs: list[Proc],
-                     *, migration: bool) -> tuple[str, dict[str, Any], list[Proc]]:
-    suffix = "" if migration else "-nomig"
+                     *, migration: bool,
+                     engine_streams: str = "session") -> tuple[str, dict[str, Any], list[Proc]]:
+    suffix = ("" if migration else "-nomig") + ("" if engine_streams == "session" else "-per-request")
     agent_port, gw_port = free_port(plus=1000), free_port()
     agent_cmd = [PY, "-m", "engine_agent", "--backend", "vllm", "--model", str(args.model),
                  "--host", "127.0.0.1", "--port", str(agent_port), "--engine-id", f"bench{suffix}",
@@ -417,7 +420,8 @@ def start_switchyard(args: argparse.Namespace, env: dict[str, str], log_dir: Pat
     procs.append(agent)
     agent_ready = wait_grpc_serving(f"127.0.0.1:{agent_port}", [agent], args.startup_timeout_s)
     gw_cmd = [PY, "-m", "gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--policy", "round_robin",
-              "--engine", f"127.0.0.1:{agent_port}", "--log-level", "WARNING"]
+              "--engine", f"127.0.0.1:{agent_port}", "--log-level", "WARNING",
+              "--engine-streams", engine_streams]
     gw = Proc.spawn(f"gateway{suffix}", gw_cmd, env, log_dir)
     procs.append(gw)
     url = f"http://127.0.0.1:{gw_port}"
@@ -445,7 +449,9 @@ def bench_deployment(name: str, args: argparse.Namespace, env: dict[str, str], l
         if name == "vllm_serve":
             url, info, parts = start_vllm_serve(args, env, log_dir, procs)
         else:
-            url, info, parts = start_switchyard(args, env, log_dir, procs, migration=name == "switchyard")
+            url, info, parts = start_switchyard(
+                args, env, log_dir, procs, migration=name != "switchyard_no_migration",
+                engine_streams="per_request" if name == "switchyard_per_request" else "session")
         res.update(info)
         print(f"   ready in {info['startup_s']} s" + (f" (agent {info['agent_startup_s']} s, gateway "
               f"{info['gateway_startup_s']} s)" if "agent_startup_s" in info else ""), flush=True)
@@ -557,6 +563,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--no-migration", action=argparse.BooleanOptionalAction, default=True,
                     help="also run Switchyard with the agent's --no-migration (default on)")
+    ap.add_argument("--per-request-streams", action="store_true",
+                    help="also run Switchyard (NIXL on) with the gateway's --engine-streams per_request: one "
+                    "Generate call per request instead of the multiplexed Session")
     ap.add_argument("--startup-timeout-s", type=float, default=300.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--stop-grace-s", type=float, default=30.0)
@@ -592,7 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "deployments": {},
     }
     try:
-        names = ["vllm_serve", "switchyard"] + (["switchyard_no_migration"] if args.no_migration else [])
+        names = ["vllm_serve", "switchyard"] + (["switchyard_no_migration"] if args.no_migration else []) + (
+            ["switchyard_per_request"] if args.per_request_streams else [])
         for name in names:
             res["deployments"][name] = bench_deployment(name, args, env, log_dir, prompts, warm_prompts)
     finally:
