@@ -415,7 +415,8 @@ def start_switchyard(args: argparse.Namespace, env: dict[str, str], log_dir: Pat
     agent_cmd = [PY, "-m", "engine_agent", "--backend", "vllm", "--model", str(args.model),
                  "--host", "127.0.0.1", "--port", str(agent_port), "--engine-id", f"bench{suffix}",
                  *engine_flags(args),
-                 "--cpu-kv-cache-gb", f"{args.cpu_kv_cache_gb:g}", *([] if migration else ["--no-migration"])]
+                 "--cpu-kv-cache-gb", f"{args.cpu_kv_cache_gb:g}", *([] if migration else ["--no-migration"]),
+                 *args.agent_arg]
     agent = Proc.spawn(f"agent{suffix}", agent_cmd, env, log_dir)
     procs.append(agent)
     agent_ready = wait_grpc_serving(f"127.0.0.1:{agent_port}", [agent], args.startup_timeout_s)
@@ -563,6 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--no-migration", action=argparse.BooleanOptionalAction, default=True,
                     help="also run Switchyard with the agent's --no-migration (default on)")
+    ap.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
+                    help="an extra flag for every Switchyard agent (repeatable; e.g. --agent-arg=--lens)")
     ap.add_argument("--per-request-streams", action="store_true",
                     help="also run Switchyard (NIXL on) with the gateway's --engine-streams per_request: one "
                     "Generate call per request instead of the multiplexed Session")
