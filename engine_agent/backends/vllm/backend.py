@@ -71,6 +71,12 @@ _STATE_READ_MAX_S = 0.5
 _IDLE_READ_S = 1.0
 _CUT_TIMEOUT_S = 30.0
 
+def _core_range(part: str) -> range:
+    """One item of an OpenMP bind list: "3" or "0-2"."""
+    first, _, last = part.strip().partition("-")
+    return range(int(first), int(last or first) + 1)
+
+
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -212,6 +218,7 @@ class VllmBackend:
         )
         if self._hidden_state_interval is not None:
             await self._llm.collective_rpc("agent_tap_install", args=(self._hidden_state_interval,))
+        await self._pin_compute_thread()
         self._poll_task = asyncio.create_task(self._poll_state(), name=f"vllm-state:{self._engine_id}")
         log.info(
             "vLLM engine ready: model %s, %d KV blocks of %d tokens, %s, kv bytes/token %d",
@@ -247,6 +254,16 @@ class VllmBackend:
         kind = "AgentAsyncScheduler" if sched.async_scheduling else "AgentScheduler"
         sched.scheduler_cls = f"{ENGINE_SIDE}.{kind}"
         return AsyncLLM, vllm_config, kind
+
+    async def _pin_compute_thread(self) -> None:
+        """With NIXL on the CPU platform: put OpenMP's master thread back on the OpenMP cores (NIXL's worker
+        moved it to the last core, shared with the EngineCore loop, the agent and the gateway)."""
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+        if not (self._config.enable_migration and is_cpu_platform()) or not bind or bind in ("auto", "all"):
+            return
+        cores = sorted({int(c) for part in bind.split("|")[0].split(",") for c in _core_range(part)})
+        pinned = await self._llm.collective_rpc("agent_pin_compute_thread", args=(cores,))
+        log.info("OpenMP master thread bound to cores %s (after NIXL's move)", pinned[0] if pinned else cores)
 
     async def stop(self) -> None:
         """End the background tasks, then abort what is left and shut vLLM down.

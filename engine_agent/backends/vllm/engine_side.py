@@ -25,6 +25,7 @@ connector_scheduler._reqs_in_batch` (so the NIXL worker tracks the cut request a
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Any
 
@@ -206,6 +207,14 @@ class HiddenStateTap:
         model.compute_logits = compute_logits
         model._agent_tap_installed = True
         return True
+
+    def agent_pin_compute_thread(self, cores: list[int]) -> list[int]:
+        """Bind the calling thread (the worker's main thread, OpenMP's master: it runs the model) to `cores`;
+        returns its affinity afterwards. NIXL's worker moved it to the last core when it was built (see
+        `platform.default_omp_bind`), where the EngineCore loop, the agent and the gateway run too; NIXL's own
+        threads, born during that move, stay there."""
+        os.sched_setaffinity(0, set(cores))
+        return sorted(os.sched_getaffinity(0))
 
     def agent_tap_drain(self) -> list[tuple[int, list[str], list[int], bytes, int]]:
         """Batches since the last drain: (step, request ids, generated counts, float32 rows, width)."""

@@ -55,7 +55,10 @@ def default_omp_bind(migration: bool) -> str | None:
       core 0, 5.3 ms (2.7-9.1): the second OpenMP thread then competes with the EngineCore and the agent;
     - migration off (vLLM's auto binding, OpenMP on core 0): 2.6 ms (2.1-3.5).
     The 134 ms once blamed on NIXL's spinning progress thread was this move; the thread is off now
-    (`nixl_agent_config_factory`).
+    (`nixl_agent_config_factory`). After the engine is built the backend moves the master back onto these
+    cores (`VllmBackend._pin_compute_thread`): left on the last core, the model shared it with the EngineCore
+    loop, the agent and the gateway, and Switchyard with NIXL on delivered 0.51-0.65x `vllm serve`'s tokens/s
+    at c = 1-32; pinned back, 0.83-0.97x (benchmarks/vllm_gateway_vs_serve.py, same runs).
     """
     if not migration:
         return None

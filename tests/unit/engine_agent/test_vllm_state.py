@@ -52,3 +52,10 @@ def test_steps_carry_token_figures_and_request_reads_on_membership_change() -> N
     assert state.read_request_version == asked + 1
     state.request_read()  # e.g. LENS installed new parameters
     assert state.read_request_version == asked + 2
+
+
+def test_openmp_bind_list_items() -> None:
+    from engine_agent.backends.vllm.backend import _core_range  # noqa: PLC0415 (vLLM itself loads lazily)
+
+    assert list(_core_range("3")) == [3]
+    assert list(_core_range("0-2")) == [0, 1, 2]
