@@ -416,7 +416,7 @@ def start_switchyard(args: argparse.Namespace, env: dict[str, str], log_dir: Pat
                  "--host", "127.0.0.1", "--port", str(agent_port), "--engine-id", f"bench{suffix}",
                  *engine_flags(args),
                  "--cpu-kv-cache-gb", f"{args.cpu_kv_cache_gb:g}", *([] if migration else ["--no-migration"]),
-                 *args.agent_arg]
+                 *getattr(args, "agent_arg", [])]
     agent = Proc.spawn(f"agent{suffix}", agent_cmd, env, log_dir)
     procs.append(agent)
     agent_ready = wait_grpc_serving(f"127.0.0.1:{agent_port}", [agent], args.startup_timeout_s)
