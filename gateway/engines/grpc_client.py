@@ -259,18 +259,24 @@ class GrpcEngineClient:
                         async for fallback in self._generate_call(request):
                             yield fallback
                         return
-                    detail = f"Generate {request.request_id} on {self._address}: {exc}"
-                    if started:
-                        raise EngineStreamError(detail) from exc
-                    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                        raise EngineRequestError(exc.details or detail) from exc
-                    raise EngineUnavailable(detail) from exc
+                    raise self._generate_error(request, exc.code, exc.details, started) from exc
                 started = True
                 yield from_generate_event(event)
                 if event.HasField("finished"):
                     return
         finally:
             session.close_stream(stream)
+
+    def _generate_error(
+        self, request: EngineRequest, code: grpc.StatusCode, details: str, started: bool
+    ) -> Exception:
+        """How a request that ended with `code` fails (the mapping in the module docstring)."""
+        detail = f"Generate {request.request_id} on {self._address}: {code.name}: {details}"
+        if started:
+            return EngineStreamError(detail)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return EngineRequestError(details or detail)
+        return EngineUnavailable(detail)
 
     async def _generate_call(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         message = to_generate_request(request)
@@ -284,12 +290,7 @@ class GrpcEngineClient:
                 if event.WhichOneof("event") == "finished":
                     return
         except grpc.aio.AioRpcError as exc:
-            detail = f"Generate {request.request_id} on {self._address}: {_describe_rpc_error(exc)}"
-            if started:
-                raise EngineStreamError(detail) from exc
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise EngineRequestError(exc.details() or detail) from exc
-            raise EngineUnavailable(detail) from exc
+            raise self._generate_error(request, exc.code(), exc.details() or "", started) from exc
         finally:
             call.cancel()  # a no-op once the call is done; otherwise the agent sees the cancel and aborts
         detail = f"Generate {request.request_id} on {self._address} ended without a finish event"

@@ -95,10 +95,6 @@ class AgentSessionCall:
     def broken(self) -> bool:
         return self._failure is not None
 
-    @property
-    def open_streams(self) -> int:
-        return len(self._streams)
-
     def open(self, request: pb.GenerateRequest) -> SessionStream:
         if self._failure is not None:
             raise self._failure

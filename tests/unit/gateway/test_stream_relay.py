@@ -8,8 +8,6 @@ events exist when each write happens; a frame held back would hang the read (bou
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -17,6 +15,7 @@ import orjson
 import pytest
 from aiohttp import ClientResponse, web
 from fake_engines import MODEL, FakeEngine, serving
+from sockets import tcp_nodelay_of_socket
 
 from gateway.domain import Admitted, Delta, EngineEvent, EngineRequest, Finished
 
@@ -152,26 +151,6 @@ async def test_a_client_gone_mid_burst_closes_the_engine_stream() -> None:
                 break
             await asyncio.sleep(0.005)
         assert engine.closed_streams == 1 and engine.completed_streams == 0
-
-
-def tcp_nodelay_of_socket(*, local: Any = None, peer: Any = None) -> int:
-    """TCP_NODELAY of this process's TCP socket with that local or peer address (Linux: /proc/self/fd)."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:
-            continue  # not a socket
-        with sock:
-            try:
-                if sock.type != socket.SOCK_STREAM:
-                    continue
-                if (local is not None and sock.getsockname() == local) or (
-                    peer is not None and sock.getpeername() == peer
-                ):
-                    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-            except OSError:
-                continue
-    raise LookupError(f"no socket with local {local} / peer {peer}")
 
 
 async def test_accepted_client_sockets_have_tcp_nodelay() -> None:

@@ -3,12 +3,10 @@ is cut into reads) and the pooled connection (kept alive, TCP_NODELAY)."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
+from sockets import tcp_nodelay_of_socket
 from test_openai_upstream import CHAT, USAGE, Upstream, chat_chunk, sse
 
 from gateway.domain import Delta, EngineEvent, EngineStreamError, Finished
@@ -78,20 +76,6 @@ def test_no_finish_and_no_done_is_a_stream_error() -> None:
         parser.finished()
 
 
-def tcp_nodelay_of_local_socket(address: object) -> int:
-    """TCP_NODELAY of this process's TCP socket bound to `address` (Linux: /proc/self/fd)."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            sock = socket.socket(fileno=os.dup(int(fd)))
-        except OSError:
-            continue  # not a socket
-        with sock:
-            try:
-                if sock.type == socket.SOCK_STREAM and sock.getsockname() == address:
-                    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-            except OSError:
-                continue
-    raise LookupError(f"no socket bound to {address}")
 
 
 async def test_upstream_connections_stay_pooled_with_tcp_nodelay() -> None:
@@ -106,7 +90,7 @@ async def test_upstream_connections_stay_pooled_with_tcp_nodelay() -> None:
             assert isinstance(events[-1], Finished)
         assert len(set(fake.peers)) == 1  # one kept-alive connection served all three
         # Still open on our side between requests, with TCP_NODELAY.
-        assert tcp_nodelay_of_local_socket(fake.peers[0]) != 0
+        assert tcp_nodelay_of_socket(local=fake.peers[0]) != 0
     finally:
         await client.close()
         await server.close()
