@@ -31,7 +31,8 @@ proto: setup
 	$(BIN)/python -m switchyard.proto_gen.regen
 
 # The pure decision cores (no I/O, no clock): mypy --strict over them; tests/unit/test_typing.py runs the same in CI.
-MYPY_STRICT_PATHS := gateway/domain.py gateway/policies gateway/cluster/state.py gateway/dispatch/life.py \
+MYPY_STRICT_PATHS := gateway/domain.py gateway/policies gateway/cluster/state.py gateway/cluster/health.py \
+	gateway/dispatch/life.py gateway/dispatch/retry.py gateway/access \
 	gateway/dispatch/features.py engine_agent/domain.py engine_agent/sim engine_agent/lens
 
 lint: setup

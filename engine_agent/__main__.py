@@ -2,8 +2,10 @@
 
 Usage: `python -m engine_agent --backend sim --profile h100-llama3-8b --port 50051`.
 
-Owns: argument parsing into an `AgentConfig`, one-line operator errors (exit 2) for a bad config, an unknown
-profile or a taken port, logging set-up, and the event loop (uvloop where installed: the only place that
+Owns: argument parsing into an `AgentConfig`, the environment variables that stand in for the link security
+flags (`LINK_ENV`, applied in `link_from_args` only: compose files pass secrets' paths this way), one-line
+operator errors (exit 2) for a bad config, an unknown profile, a taken port or an unreadable TLS / token file,
+logging set-up, and the event loop (uvloop where installed: the only place that
 installs it).
 `build_agent_argparser` and `main(argv)` are what `switchyard agent ...` delegates to.
 Must not: wire components (that is `engine_agent.server`).
@@ -14,15 +16,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine_agent.config import AgentConfig, VllmConfig
+from engine_agent.config import AgentConfig, LinkSecurityConfig, VllmConfig
 from engine_agent.server import AgentStartupError, serve
 from engine_agent.sim.profiles import UnknownProfileError, get_profile, known_profiles
+
+# Link security flag (its argparse dest) -> the environment variable used when the flag is not given.
+LINK_ENV: dict[str, str] = {
+    "tls_cert": "SWITCHYARD_AGENT_TLS_CERT",
+    "tls_key": "SWITCHYARD_AGENT_TLS_KEY",
+    "tls_client_ca": "SWITCHYARD_AGENT_TLS_CLIENT_CA",
+    "auth_token_file": "SWITCHYARD_AGENT_AUTH_TOKEN_FILE",
+}
 
 
 def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.ArgumentParser:
@@ -88,13 +99,44 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
         action="store_true",
         help="run NIXL's UCX progress thread (it polls without sleeping: one core busy even when idle)",
     )
+    link = parser.add_argument_group(
+        "gateway link security (docs/security.md)",
+        "Who may call this agent. Each flag falls back to its environment variable; none given = open.",
+    )
+    link.add_argument(
+        "--tls-cert", metavar="FILE", help=f"serve TLS with this PEM certificate [{LINK_ENV['tls_cert']}]"
+    )
+    link.add_argument("--tls-key", metavar="FILE", help=f"its PEM private key [{LINK_ENV['tls_key']}]")
+    link.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help=f"mutual TLS: callers need a certificate signed by this PEM CA [{LINK_ENV['tls_client_ca']}]",
+    )
+    link.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="every RPC but grpc.health.v1 Check needs `authorization: Bearer <token>`, the token being this "
+        f"file's content (whitespace stripped) [{LINK_ENV['auth_token_file']}]",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> AgentConfig:
+def link_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> LinkSecurityConfig:
+    """The link security flags, each falling back to its `LINK_ENV` variable (an empty variable = unset)."""
+    given = {dest: getattr(args, dest, None) or environ.get(var) or None for dest, var in LINK_ENV.items()}
+    return LinkSecurityConfig(
+        tls_cert_file=given["tls_cert"],
+        tls_key_file=given["tls_key"],
+        tls_client_ca_file=given["tls_client_ca"],
+        auth_token_file=given["auth_token_file"],
+    )
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AgentConfig:
     vllm = args.backend == "vllm"
     return AgentConfig(
+        link=link_from_args(args, os.environ if environ is None else environ),
         model_dir=args.model if vllm else None,
         vllm=VllmConfig(
             max_model_len=args.max_model_len,
@@ -141,9 +183,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m engine_age
     try:
         config = config_from_args(args)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        print(f"{prog}: error: invalid config: {where}: {first['msg']}", file=sys.stderr)
+        first = exc.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        where = f"{loc}: " if loc else ""  # the link settings are checked on their own: no path
+        msg = first["msg"].removeprefix("Value error, ")
+        print(f"{prog}: error: invalid config: {where}{msg}", file=sys.stderr)
         return 2
     if config.backend == "vllm":
         if config.model_dir is None:

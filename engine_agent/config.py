@@ -11,7 +11,40 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LinkSecurityConfig(BaseModel):
+    """Who may call this agent (the gateway <-> agent link; docs/security.md): paths of PEM files and of a
+    file holding the bearer token, read at start by `engine_agent.link_security`. All None = open."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tls_cert_file: str | None = Field(default=None, min_length=1)  # the agent's certificate (chain), PEM
+    tls_key_file: str | None = Field(default=None, min_length=1)  # its private key, PEM
+    # Given: callers must present a certificate signed by this CA (mutual TLS).
+    tls_client_ca_file: str | None = Field(default=None, min_length=1)
+    # Given: every RPC but grpc.health.v1 Check needs `authorization: Bearer <the file's token>`.
+    auth_token_file: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> LinkSecurityConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, missing = (
+                ("--tls-key", "--tls-cert") if self.tls_cert_file is None else ("--tls-cert", "--tls-key")
+            )
+            raise ValueError(f"{given} needs {missing} too")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls_client_ca_file is not None
 
 
 class VllmConfig(BaseModel):
@@ -73,6 +106,7 @@ class AgentConfig(BaseModel):
     # Sim backend: modelled KV transfer for migration (bytes / bandwidth + a fixed latency).
     sim_kv_transfer_gbps: float = Field(default=25.0, gt=0.0)  # GB/s, e.g. one 200 Gb/s NIC
     sim_kv_transfer_latency_s: float = Field(default=0.002, ge=0.0)
+    link: LinkSecurityConfig = Field(default_factory=LinkSecurityConfig)  # open by default
 
     @property
     def bind_address(self) -> str:

@@ -1,10 +1,12 @@
 """The engine agent's composition root: build the backend and gRPC server from an `AgentConfig`, serve, drain.
 
-Owns: wiring (tokenizer, backend, servicer, grpc.health.v1), deciding the backend's optional capabilities
-once (`backend_capabilities`: what it implements less what the configuration switched off, e.g.
-`--no-migration`), binding (with a clear error when the port is taken), the health status (NOT_SERVING until
-the backend runs and again while draining), and the shutdown order: on SIGTERM/SIGINT stop accepting
-Generate, let in-flight streams finish within the grace, stop the server, stop the backend.
+Owns: wiring (tokenizer, backend, servicer, grpc.health.v1, the link security of `engine_agent.link_security`:
+TLS or mutual TLS on the port, the bearer-token interceptor; its files are read first, before the backend
+loads, and its mode is logged), deciding the backend's optional capabilities once (`backend_capabilities`:
+what it implements less what the configuration switched off, e.g. `--no-migration`), binding (with a clear
+error when the port is taken), the health status (NOT_SERVING until the backend runs and again while
+draining), and the shutdown order: on SIGTERM/SIGINT stop accepting Generate, let in-flight streams finish
+within the grace, stop the server, stop the backend.
 Must not: parse command lines or install an event loop policy (that is `engine_agent.__main__`), or translate
 protobuf (that is `engine_agent.service`).
 
@@ -23,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine_agent.backends.base import MIGRATION, Capabilities, EngineBackend
 from engine_agent.backends.sim import SimBackend
 from engine_agent.config import AgentConfig
+from engine_agent.link_security import LinkSecurity, LinkSecurityError, load_link_security
 from engine_agent.service import AgentService
 from engine_agent.sim.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
@@ -127,10 +130,31 @@ def check_port_free(host: str, port: int, what: str, flag: str) -> None:
         ) from exc
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def log_link_security(config: AgentConfig, link: LinkSecurity) -> None:
+    """One line saying who may call this agent; a warning when it is open beyond loopback."""
+    if link.open and not _is_loopback(config.host):
+        log.warning(
+            "gateway link: open (no TLS, no token) on %s: anyone who reaches it can use this engine; "
+            "see --auth-token-file, --tls-cert/--tls-key/--tls-client-ca (docs/security.md)",
+            config.bind_address,
+        )
+    else:
+        log.info("gateway link: %s", link.description)
+
+
 async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asyncio.Event | None = None) -> int:
     """Run an agent until SIGTERM/SIGINT (or `stop` is set); returns the exit status (0 after a drain)."""
     clock = clock or MonotonicClock()
     log.info("engine agent config: %s", config.model_dump_json())
+    try:
+        link = load_link_security(config.link)  # before the backend: a bad file fails at once, not minutes on
+    except LinkSecurityError as exc:
+        raise AgentStartupError(str(exc)) from exc
+    log_link_security(config, link)
     tokenizer = load_tokenizer(config)
     backend = build_backend(config, tokenizer, clock)
     capabilities = backend_capabilities(config, backend)
@@ -149,11 +173,15 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    server = grpc.aio.server(options=list(SERVER_OPTIONS))
+    server = grpc.aio.server(options=list(SERVER_OPTIONS), interceptors=link.interceptors())
     pb_grpc.add_EngineAgentServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(config.bind_address)
+        port = (
+            server.add_insecure_port(config.bind_address)
+            if link.server_credentials is None
+            else server.add_secure_port(config.bind_address, link.server_credentials)
+        )
     except RuntimeError as exc:
         raise AgentStartupError(f"cannot bind {config.bind_address}: {exc} (is the port in use?)") from exc
     if port == 0:

@@ -20,8 +20,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gateway.access.keys import load_key_table
 from gateway.app import serve
 from gateway.config import ConfigError, GatewayConfig, build_config
+from gateway.engines.grpc_link import load_engine_link
 from gateway.workers.spec import read_spec
 from gateway.workers.supervisor import WorkerFailed, supervise
 from gateway.workers.worker import run_worker
@@ -50,6 +52,23 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         help="to agents: one multiplexed Session call per agent (default) or one Generate call per request",
     )
     p.add_argument("--upstream", action="append", metavar="URL", help="OpenAI-compatible server; repeatable")
+    link = p.add_argument_group("engine link (gateway -> agents; docs/security.md)")
+    link.add_argument(
+        "--engine-tls", action="store_true", default=None, help="connect to the agents over TLS"
+    )
+    link.add_argument("--engine-tls-ca", metavar="FILE", help="PEM CA of the agents' certificates")
+    link.add_argument(
+        "--engine-tls-cert", metavar="FILE", help="mutual TLS: the gateway's PEM client certificate"
+    )
+    link.add_argument("--engine-tls-key", metavar="FILE", help="mutual TLS: its PEM private key")
+    link.add_argument(
+        "--engine-tls-server-name",
+        metavar="NAME",
+        help="name the agents' certificates carry (default: each host)",
+    )
+    link.add_argument(
+        "--engine-auth-token-file", metavar="FILE", help="file holding the agents' bearer token"
+    )
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--request-timeout-s", type=float)
     p.add_argument("--drain-timeout-s", type=float)
@@ -65,6 +84,13 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         help="honour the x-switchyard-policy request header",
     )
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        dest="api_keys_file",
+        help="YAML or JSON file of API keys and their limits (docs/security.md); without one the gateway "
+        "accepts every request",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -104,6 +130,7 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "log_level",
         "workers",
         "engine_streams",
+        "api_keys_file",
     )
     for name in simple:
         value = getattr(args, name)
@@ -123,6 +150,17 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     slo = {k: v for k, v in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms)) if v is not None}
     if slo:
         out["slo"] = slo
+    link_flags = (
+        ("tls", args.engine_tls),
+        ("tls_ca_file", args.engine_tls_ca),
+        ("tls_cert_file", args.engine_tls_cert),
+        ("tls_key_file", args.engine_tls_key),
+        ("tls_server_name", args.engine_tls_server_name),
+        ("auth_token_file", args.engine_auth_token_file),
+    )
+    link = {k: v for k, v in link_flags if v is not None}
+    if link:
+        out["engine_link"] = link
     return out
 
 
@@ -161,6 +199,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gateway") 
             raise ConfigError(
                 "no engines: pass --engine HOST:PORT or --upstream URL (or set them in --config)"
             )
+        if config.api_keys_file is not None:  # read again by each app; checked here before any worker starts
+            load_key_table(config.api_keys_file)
+        if config.engines:  # the link's files, read again by each app; checked before any worker starts
+            load_engine_link(config.engine_link)
         configure_logging(config)
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(serve(config) if config.workers == 1 else supervise(config))

@@ -24,15 +24,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 
 from aiohttp import web
 
+from gateway.admission.core import AdmissionParams
+from gateway.admission.gate import AdmissionGate
+from gateway.api.access import AccessGate
 from gateway.api.handlers import ApiHandlers, openai_error_middleware
 from gateway.api.openai_format import WallClock
+from gateway.cluster.health import OutlierParams
 from gateway.cluster.store import ClusterStore
 from gateway.config import ConfigError, GatewayConfig, log_effective_config
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.policy_set import PolicySet
+from gateway.dispatch.retry import RetryBudget, RetryParams
+from gateway.dispatch.stall import StallWatch
 from gateway.domain import EngineId
 from gateway.engines.base import EngineClient
 from gateway.engines.grpc_client import GrpcEngineClient
+from gateway.engines.grpc_link import load_engine_link
 from gateway.engines.openai_upstream import OpenAIUpstreamClient
 from gateway.observability.loop_lag import lag_monitor_ctx
 from gateway.observability.metrics import GatewayMetrics
@@ -77,18 +84,31 @@ def build_app(
         raise ConfigError(f"policy: {e}") from e
     metrics = GatewayMetrics()
     metrics.workers.set(config.workers)
+    access = AccessGate.from_file(config.api_keys_file, metrics, clock)  # ConfigError naming file and entry
     scrape = SiblingScrape(metrics, worker.sibling_sockets()) if worker is not None else None
     clients: dict[EngineId, EngineClient] = (
         dict(engine_clients)
         if engine_clients is not None
         else {
-            EngineId(address): GrpcEngineClient(address, multiplex=config.engine_streams == "session")
+            EngineId(address): GrpcEngineClient(
+                address,
+                multiplex=config.engine_streams == "session",
+                link=load_engine_link(config.engine_link),
+            )
             for address in config.engines
         }
     )
+    o, r = config.outlier, config.retry
     store = ClusterStore(
-        clients, clock, stale_after_s=config.stale_after_s, session_ttl_s=config.session_ttl_s
+        clients,
+        clock,
+        stale_after_s=config.stale_after_s,
+        session_ttl_s=config.session_ttl_s,
+        outlier=OutlierParams(
+            o.consecutive_failures, o.base_ejection_s, o.max_ejection_s, o.max_ejected_ratio
+        ),
     )
+    stall_watch = StallWatch(config.engine_stall_timeout_s, clock)
     dispatcher = Dispatcher(
         state=store,
         policies=policies,
@@ -97,14 +117,28 @@ def build_app(
         metrics=metrics,
         max_attempts=config.max_dispatch_attempts,
         request_timeout_s=config.request_timeout_s,
+        retry_budget=RetryBudget(
+            RetryParams(r.budget_ratio, r.min_retries_per_s, r.window_s, r.base_backoff_s, r.max_backoff_s)
+        ),
+        stall_watch=stall_watch,
+    )
+    a = config.admission
+    admission = AdmissionGate(
+        AdmissionParams(a.max_queue, a.default_engine_slots, a.rate_window_s),
+        store.snapshot,
+        clock,
+        metrics,
+        enabled=a.enabled,
     )
     handlers = ApiHandlers(
         config=config,
         dispatcher=dispatcher,
+        admission=admission,
         fleet=store,
         metrics=metrics,
         clock=clock,
         wall_clock=wall_clock or WallClock(),
+        access=access,
         exposition=scrape.exposition if scrape is not None else None,
     )
     app = web.Application(middlewares=[openai_error_middleware])
@@ -117,6 +151,7 @@ def build_app(
     upstreams = () if engine_clients is not None else config.upstreams
     app.cleanup_ctx.append(_engines_ctx(upstreams))
     app.cleanup_ctx.append(lag_monitor_ctx(metrics.loop_lag.observe))  # switchyard_event_loop_lag_seconds
+    app.cleanup_ctx.append(_background_ctx(stall_watch.run, "stall-watch"))
     if worker is not None and scrape is not None:
         app.cleanup_ctx.append(scrape.ctx)
         app.on_response_prepare.append(_worker_header(str(worker.index)))
@@ -130,6 +165,22 @@ def _worker_header(index: str) -> Callable[[web.Request, web.StreamResponse], Aw
         response.headers[WORKER_HEADER] = index
 
     return name_the_worker
+
+
+def _background_ctx(
+    run: Callable[[], Awaitable[None]], name: str
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A background task for the app's life: started with it, cancelled and awaited at cleanup."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(run(), name=name)
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    return ctx
 
 
 def _engines_ctx(upstreams: tuple[str, ...]) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -184,11 +235,15 @@ async def serve(
     # clean error first; aiohttp's then only catches a handler that ignores cancellation.
     # handler_cancellation: a client that goes away cancels its handler at once (even one waiting on a long
     # prefill or a non-streamed answer), which closes the engine stream and aborts the request on the engine.
+    # keepalive_timeout: aiohttp closes a connection still waiting for (the rest of) a request head this long
+    # after it opened or answered its last request: the slowloris bound (docs/security.md, "Hostile clients").
+    # Head sizes stay within aiohttp's defaults (8190-byte lines, 128 headers).
     runner = web.AppRunner(
         app,
         shutdown_timeout=config.drain_timeout_s + _DRAIN_GRACE_S,
         access_log=None,
         handler_cancellation=True,
+        keepalive_timeout=config.client_limits.header_read_timeout_s,
     )
     await runner.setup()
     loop = asyncio.get_running_loop()

@@ -60,6 +60,88 @@ class SloConfig(_Frozen):
     tpot_ms: float | None = Field(None, gt=0)
 
 
+class ClientLimitsConfig(_Frozen):
+    """Time bounds on what one HTTP client can hold of the gateway (docs/security.md, "Hostile clients").
+    Request-shape bounds (n, stop, messages) are the API's own, in `gateway.api.schemas`; the body size is
+    `max_body_bytes`."""
+
+    # A connection must complete its request head within this long of opening or of its previous response,
+    # else it is closed (aiohttp's keep-alive timer: idle keep-alive connections close after it too).
+    header_read_timeout_s: float = Field(30.0, gt=0)
+    body_read_timeout_s: float = Field(30.0, gt=0)  # head to the body's last byte; then 408
+    # A stream the engines sent no event for this long ends with an error event (the client-facing bound;
+    # the dispatcher's engine-stall detection judges the engine).
+    idle_stream_timeout_s: float = Field(120.0, gt=0)
+    # A response write the client does not read for this long aborts the request (the engine aborts too).
+    slow_client_timeout_s: float = Field(30.0, gt=0)
+
+
+class EngineLinkConfig(_Frozen):
+    """How the gateway authenticates to its engine agents and checks them (docs/security.md): paths, read at
+    start by `gateway.engines.grpc_link`. The agents decide what they demand; these must match it."""
+
+    tls: bool = False  # connect over TLS (the agents run with --tls-cert/--tls-key)
+    tls_ca_file: str | None = Field(None, min_length=1)  # CA of the agents' certificates; None = system CAs
+    tls_cert_file: str | None = Field(None, min_length=1)  # mutual TLS: the gateway's client certificate ...
+    tls_key_file: str | None = Field(None, min_length=1)  # ... and its key
+    # The name the agents' certificates must carry; None = the host of each engine address.
+    tls_server_name: str | None = Field(None, min_length=1)
+    auth_token_file: str | None = Field(None, min_length=1)  # sent as `authorization: Bearer <token>`
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineLinkConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together (a client certificate and its key)")
+        if not self.tls:
+            given = [n for n in ("tls_ca_file", "tls_cert_file", "tls_server_name") if getattr(self, n)]
+            if given:
+                raise ValueError(f"{', '.join(given)} given but tls is false (set tls: true / --engine-tls)")
+        return self
+
+
+class OutlierConfig(_Frozen):
+    """Passive outlier detection (gateway.cluster.health): consecutive failures eject an engine for
+    base_ejection_s * 2**(ejections - 1), capped; then one half-open probe decides."""
+
+    consecutive_failures: int = Field(5, ge=1)
+    base_ejection_s: float = Field(5.0, gt=0)
+    max_ejection_s: float = Field(60.0, gt=0)
+    max_ejected_ratio: float = Field(0.5, ge=0, le=1)  # of a model's engines (at least one may go)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> OutlierConfig:
+        if self.base_ejection_s > self.max_ejection_s:
+            raise ValueError("base_ejection_s must not exceed max_ejection_s")
+        return self
+
+
+class RetryConfig(_Frozen):
+    """Retries before the first byte (gateway.dispatch.retry): a budget over a sliding window and jittered
+    exponential backoff between attempts."""
+
+    budget_ratio: float = Field(0.2, ge=0)  # retries per started request, over the window
+    min_retries_per_s: float = Field(1.0, ge=0)
+    window_s: float = Field(10.0, gt=0)
+    base_backoff_s: float = Field(0.025, ge=0)
+    max_backoff_s: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetryConfig:
+        if self.base_backoff_s > self.max_backoff_s:
+            raise ValueError("base_backoff_s must not exceed max_backoff_s")
+        return self
+
+
+class AdmissionConfig(_Frozen):
+    """Admission control (gateway.admission): a bounded priority queue per model in front of the fleet's
+    slots, shedding at once (503 fleet_saturated + Retry-After) what cannot meet its TTFT SLO."""
+
+    enabled: bool = True
+    max_queue: int = Field(1024, ge=0)  # per model
+    default_engine_slots: int = Field(256, ge=1)  # concurrent requests of an engine that does not say
+    rate_window_s: float = Field(10.0, gt=0)  # completions counted for the queue-wait estimate
+
+
 class GatewayConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
@@ -78,11 +160,22 @@ class GatewayConfig(_Frozen):
     stale_after_s: float = Field(5.0, gt=0)
     session_ttl_s: float = Field(600.0, gt=0)
     max_dispatch_attempts: int = Field(3, ge=1, le=16)
+    # An attempt that produced no event for this long is a stall: retried elsewhere before the first event,
+    # an error event after it, and a failure for outlier detection. Above any legitimate gap (a queued
+    # request's wait for its prefill); the client-facing bound is client_limits.idle_stream_timeout_s.
+    engine_stall_timeout_s: float = Field(60.0, gt=0)
+    outlier: OutlierConfig = OutlierConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    retry: RetryConfig = RetryConfig()
     slo: SloConfig = SloConfig()
     allow_policy_override: bool = False  # honour the x-switchyard-policy request header
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # Processes serving the port (gateway.workers); 1 = this process alone, no supervisor.
     workers: int = Field(1, ge=1)
+    # API keys and their limits (gateway.access); None = an open gateway that accepts every request.
+    api_keys_file: str | None = Field(None, min_length=1)
+    engine_link: EngineLinkConfig = EngineLinkConfig()  # TLS and token towards the agents; default plaintext
+    client_limits: ClientLimitsConfig = ClientLimitsConfig()  # slowloris, idle streams, slow readers
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> GatewayConfig:

@@ -40,7 +40,8 @@ class EngineView:
     role: str = ""
     # Lifecycle as seen by the gateway.
     ready: bool = True  # connected, reported ready, not draining
-    stale: bool = False  # no state report within the staleness bound
+    stale: bool = False  # no state report within the staleness bound: the pushed figures are local accounting
+    ejected: bool = False  # out of the pool by outlier detection (or its one half-open probe is in flight)
     state_age_s: float = 0.0  # snapshot time minus the time the last report arrived
     # Pushed state (last report).
     seq: int = 0
@@ -97,8 +98,9 @@ class ClusterSnapshot:
         return None
 
     def serving(self, model: str) -> tuple[EngineView, ...]:
-        """Engines of `model` that can take a request (ready, not stale)."""
-        return tuple(e for e in self.engines if e.model == model and e.ready and not e.stale)
+        """Engines of `model` that can take a request: ready and not ejected. Stale ones stay (availability
+        is decided by the transport, not by report age; a stale view carries local accounting instead)."""
+        return tuple(e for e in self.engines if e.model == model and e.ready and not e.ejected)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +184,14 @@ EngineEvent = Admitted | Delta | Finished
 
 
 class EngineUnavailable(Exception):
-    """The engine could not be reached or failed before producing anything (safe to retry elsewhere)."""
+    """The engine could not be reached or failed before producing anything (safe to retry elsewhere).
+
+    `server_error`: the engine answered with a server-side failure (HTTP 5xx, gRPC INTERNAL) rather than
+    being unreachable; outlier detection labels the two apart."""
+
+    def __init__(self, message: str = "", *, server_error: bool = False) -> None:
+        super().__init__(message)
+        self.server_error = server_error
 
 
 class EngineStreamError(Exception):

@@ -1,17 +1,23 @@
 """HTTP endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`.
+`GET /metrics`, `GET /openapi.json` (`gateway.api.openapi`).
 
-Owns: reading the body under the size limit, request ids (`x-request-id` echoed when well-formed, else
-assigned; it is also the response id's suffix), routing hints from headers (`x-session-id`, `x-slo-ttft-ms`,
-`x-slo-tpot-ms`, `x-priority`, `x-switchyard-policy` when the config allows overrides), mapping every failure
-to the OpenAI error shape (HTTP status before the first byte, an SSE error event after it), and request
-metrics.
+Owns: reading the body under the size limit and within `client_limits.body_read_timeout_s` (else 408),
+refusing output limits beyond the model's context (the smallest its engines described), the client-facing time
+bounds of each answer (`gateway.api.client_guard`: a stream the engines went quiet on ends with a
+`stream_idle_timeout` error, a client that stops reading is cut after `slow_client_timeout_s`), request ids
+(`x-request-id` echoed when well-formed, else assigned; it is also the response id's suffix), routing hints
+from headers (`x-session-id`, `x-slo-ttft-ms`, `x-slo-tpot-ms`, `x-priority`, `x-switchyard-policy` when the
+config allows overrides), mapping every failure to the OpenAI error shape (HTTP status before the first byte,
+an SSE error event after it), and request metrics. With an API key file, `gateway.api.access` gates the
+inference routes and `/v1/models` (401 before the body is read, 403 for a model the key may not use, 429 from
+its limits); `/health` and `/metrics` stay open.
 Must not: choose engines or talk to them (the dispatcher does), or format chunks (openai_format does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import uuid
@@ -22,9 +28,14 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from gateway.access.keys import ApiKey
+from gateway.admission.gate import AdmissionGate, Permit, Rejected
 from gateway.api import errors
+from gateway.api.access import AccessGate, Ticket
+from gateway.api.client_guard import IDLE_STREAM_CANCEL, ClientGuard, GuardedSink
 from gateway.api.errors import ApiError
 from gateway.api.openai_format import ChatFormat, CompletionFormat
+from gateway.api.openapi import OpenApiRoute
 from gateway.api.relay import CollectRelay, StreamRelay
 from gateway.api.schemas import (
     ChatCompletionRequest,
@@ -35,7 +46,7 @@ from gateway.api.schemas import (
 )
 from gateway.config import GatewayConfig
 from gateway.dispatch.dispatcher import ClientDisconnected, Dispatcher, NoEngineAvailable, RequestTimedOut
-from gateway.dispatch.features import RoutingHints
+from gateway.dispatch.features import RoutingHints, estimate_prompt_tokens
 from gateway.dispatch.policy_set import UnknownPolicy
 from gateway.domain import EngineRequestError, EngineStreamError
 from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics
@@ -54,6 +65,10 @@ class FleetView(Protocol):
 
     def ready_count(self) -> int: ...
 
+    def max_context_tokens(self, model: str) -> int | None:
+        """The smallest context among `model`'s engines that described one; None when unknown."""
+        ...
+
 
 @dataclass
 class ApiHandlers:
@@ -63,6 +78,8 @@ class ApiHandlers:
     metrics: GatewayMetrics
     clock: Clock
     wall_clock: Clock
+    access: AccessGate  # API keys and limits (an open gate without a key file)
+    admission: AdmissionGate  # the fleet's bounded queue per model, SLO-aware shedding
     # What `/metrics` answers when not this process's registry alone (a worker: the whole gateway's).
     exposition: Callable[[], Awaitable[bytes]] | None = None
     draining: bool = False
@@ -95,6 +112,7 @@ class ApiHandlers:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", OpenApiRoute().handle)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -103,9 +121,13 @@ class ApiHandlers:
         return await self._serve(request, chat=False)
 
     async def list_models(self, request: web.Request) -> web.Response:
+        try:
+            key = self.access.authenticate(request.headers)
+        except ApiError as e:
+            return errors.error_response(e)
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "switchyard"}
-            for m in sorted(self.fleet.models())
+            for m in self.access.visible_models(key, self.fleet.models())
         ]
         return web.Response(
             body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
@@ -133,6 +155,10 @@ class ApiHandlers:
         model_label = "unknown"  # only served model names become label values
         status = 500
         relay: StreamRelay | CollectRelay | None = None
+        guard: ClientGuard | None = None  # a stream's idle and slow-client bounds
+        key: ApiKey | None = None
+        ticket: Ticket | None = None
+        permit: Permit | None = None
         # Engine-side ids must be unique among in-flight requests even when clients reuse an x-request-id.
         engine_request_id = request_id
         if engine_request_id in self._inflight_ids:
@@ -143,12 +169,16 @@ class ApiHandlers:
             self._inflight_tasks.add(task)
         self.metrics.in_flight.inc()
         try:
+            key = self.access.authenticate(request.headers)  # before the body is read
             body = await self._read_body(request)
             parsed: ChatCompletionRequest | CompletionRequest = (
                 parse_chat(body) if chat else parse_completion(body)
             )
             hints = self._hints(request, arrival_s)
+            hints = self.access.hints(key, hints, "x-priority" in request.headers)
+            self.access.check_model(key, parsed.model)
             self._check_model(parsed.model)
+            self._check_context(parsed)
             model_label = parsed.model
             reqs = engine_requests(
                 parsed,
@@ -158,6 +188,9 @@ class ApiHandlers:
                 priority=hints.priority,
                 session_id=hints.session_id,
             )
+            prompt_estimate = estimate_prompt_tokens(reqs[0])
+            ticket = self.access.admit(key, prompt_estimate, headers)  # adds x-ratelimit-*
+            permit = await self._admit(parsed.model, hints, prompt_estimate, len(reqs), headers)
             fmt_cls = ChatFormat if chat else CompletionFormat
             fmt = fmt_cls(request_id, int(self.wall_clock.now()), parsed.model, parsed.include_usage)
             stream, n, include_usage = parsed.stream, parsed.n, parsed.include_usage
@@ -165,40 +198,52 @@ class ApiHandlers:
             # 1.5 KiB more) do not live in this frame for it; the engine requests hold what engines need.
             del body, parsed
             if stream:
+                guard = self._guard(request, request_id, task, idle=True)
                 relay = StreamRelay(request, fmt, n, include_usage, headers)
-                await self.dispatcher.run(reqs, hints, relay)
-                await relay.finish()
+                sink = relay if ticket is None else ticket.sink(relay)
+                await self.dispatcher.run(reqs, hints, GuardedSink(guard, sink))
+                with guard.writing():
+                    await relay.finish()
+                if guard.cut:
+                    raise ClientDisconnected("the client stopped reading")
                 status = 200
                 return relay.response
             relay = CollectRelay(request, fmt, n)
-            await self.dispatcher.run(reqs, hints, relay)
+            await self.dispatcher.run(reqs, hints, relay if ticket is None else ticket.sink(relay))
             status = 200
-            return web.Response(
+            response = web.Response(
                 body=orjson.dumps(relay.body()), content_type="application/json", headers=headers
             )
+            self._guard_body_write(request, request_id, task)
+            return response
         except ClientDisconnected:
             status = STATUS_CLIENT_CLOSED
             return relay.response if isinstance(relay, StreamRelay) else web.Response(status=status)
         except asyncio.CancelledError:
             status = STATUS_CLIENT_CLOSED
-            if not self.draining or task is None:
+            idle = guard is not None and guard.expired == "idle"
+            if task is None or not (idle or self.draining):
                 raise
-            # Our own drain deadline cancelled us (see `begin_drain`): answer cleanly instead of cutting off.
+            # Our idle-stream bound or our own drain deadline (see `begin_drain`) cancelled us: answer cleanly
+            # instead of cutting off.
             task.uncancel()
-            err = errors.shutting_down()
+            limits = self.config.client_limits
+            err = errors.stream_idle(limits.idle_stream_timeout_s) if idle else errors.shutting_down()
             status = err.status
             if isinstance(relay, StreamRelay) and relay.started:
-                await relay.fail(err)
+                await _fail_stream(relay, err, guard)
                 return relay.response
             return errors.error_response(err, headers)
         except Exception as e:  # every failure becomes an OpenAI error; unknown ones are logged as bugs
             err = self._to_api_error(e, model_label, request_id)
             status = err.status
             if isinstance(relay, StreamRelay) and relay.started:
-                await relay.fail(err)
+                await _fail_stream(relay, err, guard)
                 return relay.response
             return errors.error_response(err, headers)
         finally:
+            if guard is not None:
+                guard.close()
             if isinstance(relay, StreamRelay):
                 relay.close()
             self._inflight_ids.discard(engine_request_id)
@@ -206,6 +251,21 @@ class ApiHandlers:
                 self._inflight_tasks.discard(task)
             self.metrics.in_flight.dec()
             self.metrics.observe_request(model_label, status)
+            self.access.end(key, ticket, model_label, status)
+            self.admission.leave(permit)
+
+    async def _admit(
+        self, model: str, hints: RoutingHints, prompt_tokens: int, slots: int, headers: dict[str, str]
+    ) -> Permit | None:
+        """Through the admission gate (maybe after queueing), or a 503 `fleet_saturated` with Retry-After."""
+        try:
+            return await self.admission.enter(
+                model, priority=hints.priority, prompt_tokens=prompt_tokens, slo_ttft_s=hints.slo_ttft_s,
+                slots=slots,
+            )
+        except Rejected as e:
+            headers["Retry-After"] = str(int(e.retry_after_s))
+            raise errors.fleet_saturated(model, e.reason) from None
 
     def _to_api_error(self, e: Exception, model: str, request_id: str) -> ApiError:
         if isinstance(e, ApiError):
@@ -226,17 +286,62 @@ class ApiHandlers:
         return errors.internal_error()
 
     async def _read_body(self, request: web.Request) -> bytes:
+        """The body, at most `max_body_bytes` (else 413), all of it within `body_read_timeout_s` of the
+        handler's start (else 408: a client trickling its body holds a handler for that long at most)."""
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise errors.request_too_large(limit)
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.content.iter_chunked(64 * 1024):
-            size += len(chunk)
-            if size > limit:
-                raise errors.request_too_large(limit)
-            chunks.append(chunk)
+        timeout_s = self.config.client_limits.body_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.content.iter_chunked(64 * 1024):
+                    size += len(chunk)
+                    if size > limit:
+                        raise errors.request_too_large(limit)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise errors.body_read_timeout(timeout_s) from None
         return b"".join(chunks)
+
+    def _guard(
+        self, request: web.Request, request_id: str, task: asyncio.Task[Any] | None, *, idle: bool
+    ) -> ClientGuard:
+        limits = self.config.client_limits
+        return ClientGuard(
+            request,
+            idle_s=limits.idle_stream_timeout_s if idle and task is not None else None,
+            slow_s=limits.slow_client_timeout_s,
+            on_idle=functools.partial(task.cancel, IDLE_STREAM_CANCEL) if task is not None else _nothing,
+            count_abort=self.metrics.slow_client_aborts.inc,
+            label=request_id,
+        )
+
+    def _guard_body_write(
+        self, request: web.Request, request_id: str, task: asyncio.Task[Any] | None
+    ) -> None:
+        """A JSON answer is written by aiohttp after the handler returns, in the handler's task: it is bound
+        like a stream's writes (a client that never reads it is cut after `slow_client_timeout_s`)."""
+        if task is None:
+            return
+        guard = self._guard(request, request_id, task, idle=False)
+        guard.begin()
+        task.add_done_callback(lambda _: guard.close())
+
+    def _check_context(self, parsed: ChatCompletionRequest | CompletionRequest) -> None:
+        """Output limits beyond the model's context (the smallest its engines described) are refused: no
+        engine could honour them. Unknown context (no engine described one): the engine decides."""
+        limit_tokens = self.fleet.max_context_tokens(parsed.model)
+        if limit_tokens is None:
+            return
+        chat = isinstance(parsed, ChatCompletionRequest)
+        param = "max_completion_tokens" if chat and parsed.max_completion_tokens is not None else "max_tokens"
+        output = parsed.output_limit_tokens()
+        if output is not None and output > limit_tokens:
+            raise errors.context_exceeded(param, output, limit_tokens)
+        if parsed.min_tokens > limit_tokens:
+            raise errors.context_exceeded("min_tokens", parsed.min_tokens, limit_tokens)
 
     def _check_model(self, model: str) -> None:
         served = self.fleet.models()
@@ -256,15 +361,43 @@ class ApiHandlers:
             priority = int(priority_raw) if priority_raw is not None else 0
         except ValueError:
             raise errors.bad_request("x-priority must be an integer", "x-priority") from None
+        if not -(2**31) <= priority < 2**31:  # engines take an int32
+            raise errors.bad_request("x-priority must be within [-2**31, 2**31)", "x-priority")
+        session_id = h.get("x-session-id", "")[:256]
+        if not _utf8(session_id):  # aiohttp keeps a head's invalid UTF-8 as surrogate escapes
+            raise errors.bad_request("x-session-id must be valid UTF-8", "x-session-id")
         policy = h.get("x-switchyard-policy") if self.config.allow_policy_override else None
         return RoutingHints(
             arrival_s=arrival_s,
-            session_id=h.get("x-session-id", "")[:256],
+            session_id=session_id,
             slo_ttft_s=None if ttft_ms is None else ttft_ms / 1e3,
             slo_tpot_s=None if tpot_ms is None else tpot_ms / 1e3,
             priority=priority,
             policy_name=policy or None,
         )
+
+
+async def _fail_stream(relay: StreamRelay, err: ApiError, guard: ClientGuard | None) -> None:
+    """The error event + [DONE] on a started stream, its write bounded like the others."""
+    if guard is None:
+        await relay.fail(err)
+        return
+    with guard.writing():
+        await relay.fail(err)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _utf8(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _positive_float(headers: Mapping[str, str], name: str, default: float | None) -> float | None:

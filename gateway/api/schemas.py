@@ -13,20 +13,66 @@ Field policy, like OpenAI: unknown fields are ignored (forwards compatibility) b
 type are rejected (strict types: `"1"` is not a number, `1` is not a boolean). Known OpenAI features that
 would change the output and that engines do not implement (penalties other than 0, logprobs, tools, json
 response formats, logit bias, echo, best_of > 1, suffix) are rejected explicitly rather than silently ignored.
+Bounds (each violation a 400 naming the field): n <= `MAX_N` (each choice is one engine request), at most
+`MAX_STOP` stop sequences of `MAX_STOP_CHARS` characters each (OpenAI's 4), at most `MAX_MESSAGES` messages
+(OpenAI's 2048), token counts and ids within the engines' uint32 fields, `seed + n - 1` within int64 (choice
+i samples with `seed + i`). Output limits against the model's context are checked by the handler, which knows
+the fleet. The models' JSON schema (served at `/openapi.json`, `gateway.api.openapi`) describes exactly what
+the validators accept, `stop` and `prompt` forms included.
 Must not: know about engines' transports, policies or HTTP.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from gateway.api.errors import ApiError, bad_request
 from gateway.domain import ChatTurn, EngineRequest
 
-_MAX_STOP = 4
-_MAX_TOKEN_ID = 2**32 - 1
+MAX_N = 16
+MAX_STOP = 4
+MAX_STOP_CHARS = 1024
+MAX_MESSAGES = 2048
+_MAX_UINT32 = 2**32 - 1  # token ids and token counts travel to engines as uint32
+_INT64 = 2**63
+
+# What the `mode="before"` validators accept, for the JSON schema (pydantic sees only their output types).
+_STOP_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "maxLength": MAX_STOP_CHARS},
+            {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS}, "maxItems": MAX_STOP},
+            {"type": "null"},
+        ],
+        "default": None,
+    }
+)
+_TOKEN_IDS_SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": _MAX_UINT32},
+    "minItems": 1,
+}
+_PROMPT_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            _TOKEN_IDS_SCHEMA,
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": 1},
+        ]
+    }
+)
+TokenCount = Annotated[int, Field(ge=1, le=_MAX_UINT32)]
 
 
 class _Strict(BaseModel):
@@ -38,7 +84,7 @@ class StreamOptions(_Strict):
 
 
 class TextPart(_Strict):
-    type: str
+    type: str = Field(json_schema_extra={"const": "text"})
     text: str = ""
 
     @model_validator(mode="after")
@@ -67,16 +113,16 @@ class _Common(_Strict):
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=16)
-    stop: tuple[str, ...] = ()
-    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Annotated[tuple[str, ...], _STOP_SCHEMA] = ()
+    max_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     user: str | None = None
     # vLLM extensions.
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=_MAX_UINT32)
     # Accepted only at their neutral value (engines implement no penalties).
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -88,12 +134,14 @@ class _Common(_Strict):
         if value is None:
             return ()
         if isinstance(value, str):
-            return (value,)
+            value = [value]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            if len(value) > _MAX_STOP:
-                raise ValueError(f"at most {_MAX_STOP} stop sequences are allowed, got {len(value)}")
+            if len(value) > MAX_STOP:
+                raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(value)}")
+            if any(len(v) > MAX_STOP_CHARS for v in value):
+                raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
             return tuple(value)
-        raise ValueError("must be a string or a list of at most 4 strings")
+        raise ValueError(f"must be a string or a list of at most {MAX_STOP} strings")
 
     @model_validator(mode="after")
     def _common_checks(self) -> _Common:
@@ -104,6 +152,8 @@ class _Common(_Strict):
                 raise _FieldError(name, f"{name} is not supported by this gateway; omit it or send 0")
         if self.logit_bias:
             raise _FieldError("logit_bias", "logit_bias is not supported by this gateway")
+        if self.seed is not None and self.seed + self.n - 1 >= _INT64:
+            raise _FieldError("seed", "seed + n - 1 must be below 2**63 (choice i samples with seed + i)")
         limit = self.output_limit_tokens()
         if limit is not None and self.min_tokens > limit:
             raise _FieldError(
@@ -120,8 +170,8 @@ class _Common(_Strict):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -144,8 +194,8 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | tuple[int, ...]
-    max_tokens: int | None = Field(16, ge=1)  # the legacy endpoint's documented default
+    prompt: Annotated[str | tuple[int, ...], _PROMPT_SCHEMA]
+    max_tokens: TokenCount | None = 16  # the legacy endpoint's documented default
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = Field(None, ge=1)
@@ -167,7 +217,7 @@ class CompletionRequest(_Common):
                 return cls._prompt(value[0])
             if len(value) == 1 and isinstance(value[0], list):
                 return cls._prompt(value[0])  # [[ids]]: one tokenized prompt
-            if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_TOKEN_ID for v in value):
+            if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_UINT32 for v in value):
                 return tuple(value)
         raise ValueError("must be a non-empty string, a list of one string, or a non-empty list of token ids")
 

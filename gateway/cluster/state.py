@@ -16,6 +16,15 @@ connection: engine_ts(dispatch) = report.engine_timestamp_s + (dispatch_now_s - 
 report with engine_timestamp_s >= that estimate clears it; with no report yet on the connection, the first
 report clears it. `inflight_*` lasts until `note_finish`.
 
+Staleness (the architecture's "stale engines are marked, never silently dropped"): an engine whose last report
+is older than `stale_after_s` stays in the pool, flagged `stale=True`, and its view falls back to local
+accounting, the dispatches and finishes this gateway itself saw: num_running = inflight_requests, num_waiting,
+pending_prefill_tokens, running_batch_tokens and unreported_* = 0, kv_blocks_free = the last reported total
+minus the blocks of the in-flight tokens (floored at 0), lens = None (its predictions described the engine
+as it was). Availability is decided by the transport: engines leave the pool by their own status (not ready,
+draining, state stream gone) or by outlier detection (`note_success` / `note_failure`, the per-engine machine
+of `gateway.cluster.health`), never by report age.
+
 Latency window: `note_latency(engine, ttft_s, e2e_s, now_s)` records one finished request (the dispatcher
 calls it for successful requests only, with latencies measured from its dispatch to that engine). A sample
 taken at t counts in the snapshot at now_s while now_s - t < latency_window_s; `recent_ttft_s` /
@@ -28,6 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway.cluster.health import EngineHealth, FailureReason, OutlierParams
 from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, EngineView
 
 DEFAULT_BLOCK_SIZE = 16  # assumed until an engine describes itself
@@ -64,6 +74,7 @@ class _Engine:
     latencies: deque[tuple[float, float, float]] = field(default_factory=deque)
     ttft_sum_s: float = 0.0
     e2e_sum_s: float = 0.0
+    health: EngineHealth = field(default_factory=EngineHealth)
 
     def expire_latencies(self, now_s: float, window_s: float) -> None:
         samples = self.latencies
@@ -86,6 +97,7 @@ class ClusterState:
         max_sessions: int = 100_000,
         snapshot_resolution_s: float = 0.005,
         latency_window_s: float = DEFAULT_LATENCY_WINDOW_S,
+        outlier: OutlierParams | None = None,
     ) -> None:
         """A cached snapshot is reused while nothing changed, no engine crossed its staleness boundary, no
         latency sample left its window and it is younger than `snapshot_resolution_s` (so `taken_at_s` /
@@ -95,6 +107,7 @@ class ClusterState:
             raise ValueError(f"latency_window_s must be > 0, got {latency_window_s}")
         self._stale_after_s = stale_after_s
         self._latency_window_s = latency_window_s
+        self._outlier = outlier if outlier is not None else OutlierParams()
         self._session_ttl_s = session_ttl_s
         self._max_sessions = max_sessions
         self._resolution_s = snapshot_resolution_s
@@ -188,6 +201,7 @@ class ClusterState:
         state.unreported.append(dispatch)
         state.unreported_tokens += dispatch.tokens
         state.unreported_prompt_tokens += dispatch.prompt_tokens
+        state.health.on_dispatch(request_id, now_s)
         if session_id:
             self._sessions[session_id] = (engine_id, now_s)
             self._sessions.move_to_end(session_id)
@@ -205,6 +219,7 @@ class ClusterState:
         dispatch = dispatches.pop(0)
         if not dispatches:
             del state.inflight[request_id]
+        state.health.on_release(request_id)
         state.inflight_requests -= 1
         state.inflight_tokens -= dispatch.tokens
         if not dispatch.reported:
@@ -212,6 +227,38 @@ class ClusterState:
             state.unreported_tokens -= dispatch.tokens
             state.unreported_prompt_tokens -= dispatch.prompt_tokens
         self._changed = True
+
+    # ---- transport outcomes (outlier detection) -----------------------------------------------------------
+
+    def note_success(self, engine_id: EngineId) -> bool:
+        """A request to the engine produced its first event; True when that ended an ejection. Unknown
+        engines are ignored."""
+        state = self._engines.get(engine_id)
+        if state is None or not state.health.on_success():
+            return False
+        self._changed = True
+        return True
+
+    def note_failure(self, engine_id: EngineId, reason: FailureReason, now_s: float) -> bool:
+        """A request to the engine failed (see `gateway.cluster.health`); True when this ejected it."""
+        state = self._engines.get(engine_id)
+        if state is None:
+            return False
+        model = self._model_of(state)
+        peers = [s for s in self._order if self._model_of(s) == model]
+        out = sum(1 for s in peers if s.health.out_of_pool(now_s))
+        ejected = state.health.on_failure(
+            reason, now_s, self._outlier, may_eject=self._outlier.may_eject(out, len(peers))
+        )
+        if ejected:
+            self._changed = True
+        return ejected
+
+    @staticmethod
+    def _model_of(state: _Engine) -> str:
+        if state.report is not None:
+            return state.report.model
+        return state.description.model if state.description is not None else ""
 
     def note_latency(self, engine_id: EngineId, ttft_s: float, e2e_s: float, now_s: float) -> None:
         """A request served by `engine_id` finished at `now_s` with these latencies (from its dispatch
@@ -273,6 +320,8 @@ class ClusterState:
                 boundary_s = state.report_received_s + stale_after_s
                 if boundary_s < next_stale_s:
                     next_stale_s = boundary_s
+            if state.health.ejected_until_s is not None:
+                next_stale_s = min(next_stale_s, state.health.next_change_s(now_s))
             views.append(view)
         snapshot = ClusterSnapshot(taken_at_s=now_s, engines=tuple(views))
         self._cached = snapshot
@@ -306,9 +355,13 @@ class ClusterState:
                 recent_latency_samples=samples,
                 ready=False,
                 stale=True,
+                ejected=state.health.out_of_pool(now_s),
                 state_age_s=now_s - state.added_at_s,
             )
         age_s = now_s - state.report_received_s
+        ejected = state.health.out_of_pool(now_s)
+        if age_s > self._stale_after_s:
+            return self._local_view(state, report, block_size, max_num_seqs, age_s, ejected)
         return EngineView(  # the latest report wins for identity: roles and profiles can change while running
             engine_id=state.engine_id,
             model=report.model,
@@ -326,7 +379,8 @@ class ClusterState:
             recent_e2e_s=recent_e2e_s,
             recent_latency_samples=samples,
             ready=state.connected and report.ready and not report.draining,
-            stale=age_s > self._stale_after_s,
+            stale=False,
+            ejected=ejected,
             state_age_s=age_s,
             seq=report.seq,
             num_running=report.num_running,
@@ -338,6 +392,38 @@ class ClusterState:
             running_batch_tokens=report.running_batch_tokens,
             last_iteration_s=report.last_iteration_s,
             lens=report.lens,
+        )
+
+    @staticmethod
+    def _local_view(
+        state: _Engine, report: EngineReport, block_size: int, max_num_seqs: int, age_s: float, ejected: bool
+    ) -> EngineView:
+        """A stale engine's view: identity and readiness from its last report, load from local accounting
+        (see the module docstring)."""
+        samples = len(state.latencies)
+        used_blocks = -(state.inflight_tokens // -block_size)
+        return EngineView(
+            engine_id=state.engine_id,
+            model=report.model,
+            profile=report.profile,
+            backend=report.backend,
+            role=report.role,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            inflight_requests=state.inflight_requests,
+            inflight_tokens=state.inflight_tokens,
+            recent_ttft_s=state.ttft_sum_s / samples if samples else None,
+            recent_e2e_s=state.e2e_sum_s / samples if samples else None,
+            recent_latency_samples=samples,
+            ready=state.connected and report.ready and not report.draining,
+            stale=True,
+            ejected=ejected,
+            state_age_s=age_s,
+            seq=report.seq,
+            num_running=state.inflight_requests,
+            kv_blocks_total=report.kv_blocks_total,
+            kv_blocks_free=max(0, report.kv_blocks_total - used_blocks),
+            last_iteration_s=report.last_iteration_s,
         )
 
     def engine_ids(self) -> tuple[EngineId, ...]:

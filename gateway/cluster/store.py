@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
+from gateway.cluster.health import FailureReason, OutlierParams
 from gateway.cluster.state import ClusterState
 from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport
 from gateway.engines.base import EngineClient
@@ -67,6 +68,7 @@ class ClusterStore:
         session_ttl_s: float = 600.0,
         max_sessions: int = 100_000,
         snapshot_resolution_s: float = 0.005,
+        outlier: OutlierParams | None = None,
     ) -> None:
         """`rand` draws the backoff jitter (inject a seeded one in tests); `sleep` waits out a backoff.
 
@@ -82,6 +84,7 @@ class ClusterStore:
             session_ttl_s=session_ttl_s,
             max_sessions=max_sessions,
             snapshot_resolution_s=snapshot_resolution_s,
+            outlier=outlier,
         )
         self._watched: dict[EngineId, _Watched] = {}
         self._started = False
@@ -194,6 +197,15 @@ class ClusterStore:
         """Forget a dispatched request (its oldest dispatch if the id was reused); unknown ids are ignored."""
         self._state.note_finish(engine_id, request_id)
 
+    def note_success(self, engine_id: EngineId) -> bool:
+        """A request to the engine produced its first event (outlier detection); True when that ended an
+        ejection."""
+        return self._state.note_success(engine_id)
+
+    def note_failure(self, engine_id: EngineId, reason: FailureReason, now_s: float) -> bool:
+        """A request to the engine failed (outlier detection); True when this ejected it."""
+        return self._state.note_failure(engine_id, reason, now_s)
+
     def note_latency(self, engine_id: EngineId, ttft_s: float, e2e_s: float, now_s: float) -> None:
         """A request finished successfully on `engine_id` at `now_s` (feeds the windowed latency figures)."""
         self._state.note_latency(engine_id, ttft_s, e2e_s, now_s)
@@ -219,8 +231,8 @@ class ClusterStore:
         return self._state.engine_ids()
 
     def ready_count(self) -> int:
-        """Engines that can take a request now (ready and fresh), for /health."""
-        return sum(1 for e in self.snapshot().engines if e.ready and not e.stale)
+        """Engines that can take a request now (ready and not ejected, stale or not), for /health."""
+        return sum(1 for e in self.snapshot().engines if e.ready and not e.ejected)
 
     def models(self) -> tuple[str, ...]:
         """Served model names (from the engines' descriptions), sorted, for /v1/models."""
@@ -235,3 +247,13 @@ class ClusterStore:
 
     def is_connected(self, engine_id: EngineId) -> bool:
         return self._state.is_connected(engine_id)
+
+    def max_context_tokens(self, model: str) -> int | None:
+        """The smallest context among the engines of `model` that described one (None when none did): the
+        API refuses output limits beyond it."""
+        limits = [
+            d.max_context_tokens
+            for d in self._state.descriptions().values()
+            if d.model == model and d.max_context_tokens > 0
+        ]
+        return min(limits) if limits else None

@@ -6,9 +6,18 @@ execute its effects (note the dispatch, open the engine stream, retry elsewhere 
 before the first event, release the dispatch with `note_finish` however the attempt ends, record the latency
 sample of a successful finish); relay events to an `EventSink`; fan out n choices and merge them by choice
 index; enforce the request timeout; close the engine stream whenever the relay ends early (the engine aborts);
-count client disconnects; time each routing decision and hand it to `on_decision` (debug log by default). Must
-not: decide where to route or whether to retry (the life does), format HTTP or SSE (the sink does), parse
-requests, or mutate the cluster beyond note_dispatch/finish/latency.
+count client disconnects; time each routing decision and hand it to `on_decision` (debug log by default);
+apply the life's transport outcomes to outlier detection (`record_outcome`); wait out a retry's jittered
+backoff; and watch for stalls (`StallWatch`): an attempt waiting on its engine that produced no event for
+`engine_stall_timeout_s` is cancelled and becomes a `stall` failure (retried elsewhere before the first
+event, a stream error after it). Must not: decide where to route or whether to retry (the life does), format
+HTTP or SSE (the sink does), parse requests, or mutate the cluster beyond note_dispatch / finish / latency /
+success / failure.
+
+Stall detection costs the relay two attribute writes and an increment per event: one `StallWatch` task scans
+the open attempts every `tick_s` (a quarter of the timeout, at most 1 s), so a stall is noticed between
+`engine_stall_timeout_s` and that plus `tick_s` after the last event. Only time spent waiting on the engine
+counts: an attempt whose consumer (the client's socket) is slow is never a stall.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
+from gateway.cluster.health import FailureReason
 from gateway.dispatch.features import RoutingHints
 from gateway.dispatch.life import (
     DEFAULT_MAX_ATTEMPTS,
@@ -29,10 +39,15 @@ from gateway.dispatch.life import (
     DispatchLedger,
     GiveUp,
     Moment,
+    Outcome,
+    OutcomeLedger,
     StreamFailed,
     record_dispatch,
+    record_outcome,
 )
 from gateway.dispatch.policy_set import PolicySet
+from gateway.dispatch.retry import RetryBudget
+from gateway.dispatch.stall import Stalled, StallWatch, Watched
 from gateway.domain import (
     ClusterSnapshot,
     Delta,
@@ -50,7 +65,7 @@ from switchyard.clock import Clock
 log = logging.getLogger(__name__)
 
 
-class RoutingState(DispatchLedger, Protocol):
+class RoutingState(DispatchLedger, OutcomeLedger, Protocol):
     """The part of the cluster store the dispatcher uses (`note_dispatch` from the life's ledger)."""
 
     def snapshot(self) -> ClusterSnapshot: ...
@@ -97,7 +112,11 @@ class Dispatcher:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         request_timeout_s: float = 600.0,
         on_decision: Callable[[Decision], None] | None = None,
+        retry_budget: RetryBudget | None = None,
+        stall_watch: StallWatch | None = None,
     ) -> None:
+        """`retry_budget`: None retries up to `max_attempts` at once, without a budget or backoff.
+        `stall_watch`: None detects no stalls (run the watch's `run()` as a background task)."""
         self._state = state
         self._policies = policies
         self._clock = clock
@@ -108,6 +127,8 @@ class Dispatcher:
         self._seq = itertools.count()
         self._shutting_down = False
         self._on_decision = on_decision or _log_decision
+        self._budget = retry_budget
+        self.stall_watch = stall_watch
 
     def begin_shutdown(self) -> None:
         """From now on a cancelled relay is the server draining, not a client disconnect."""
@@ -184,45 +205,75 @@ class Dispatcher:
         if hints.session_id:
             session_engine, session_last_used_s = self._state.session_lookup(hints.session_id)
         life = ChoiceLife(request, hints, session_engine=session_engine,
-                          session_last_used_s=session_last_used_s, max_attempts=self._max_attempts)
+                          session_last_used_s=session_last_used_s, max_attempts=self._max_attempts,
+                          budget=self._budget)
         policy_name, policy = self._policies.resolve(hints.policy_name)
-        state = self._state
+        state, clock, metrics = self._state, self._clock, self._metrics
+        decisions = metrics.routing_decisions
+        watch = self.stall_watch
         while True:
-            started_s = self._clock.now()
+            started_s = clock.now()
             moment = Moment(started_s, next(self._seq), self._rng.random(), state.snapshot())
             decision = life.route(policy, moment)
+            metrics.routing_decision.labels(policy_name).observe(clock.now() - started_s)
+            if log.isEnabledFor(logging.DEBUG):
+                _debug_decision(policy_name, policy, decision, moment)
             del moment  # its snapshot (a view per engine) must not live as long as the stream does
-            self._metrics.routing_decision.labels(policy_name).observe(self._clock.now() - started_s)
             self._on_decision(decision)
             if isinstance(decision, GiveUp):
+                decisions.labels(policy_name, "no_engine").inc()
                 raise NoEngineAvailable(decision.message)
+            decisions.labels(policy_name, "dispatch" if decision.attempt == 1 else "retry").inc()
             engine_id = decision.engine_id
             client = state.client(engine_id)
             record_dispatch(state, decision)
             stream = client.generate(request)
+            watched = watch.open() if watch is not None else None
+            backoff_s = 0.0
             try:
                 try:
-                    first = await anext(stream)
-                except (EngineUnavailable, StopAsyncIteration) as e:
-                    error = e if isinstance(e, EngineUnavailable) else EngineUnavailable("empty stream")
-                    life.on_unavailable(str(error))
-                    log.info("request %s: engine %s unavailable (%s); retrying elsewhere",
-                             request.request_id, engine_id, error)
-                    self._metrics.retries.inc()
+                    first = await _next_event(stream, watched)
+                except (EngineUnavailable, StopAsyncIteration, Stalled) as e:
+                    reason, error = _failure_of(e)
+                    self._apply(life.failure(reason, clock.now()))
+                    after = life.on_unavailable(error, clock.now(), self._rng.random())
+                    log.info("request %s: engine %s unavailable (%s)", request.request_id, engine_id, error)
+                    if isinstance(after, GiveUp):
+                        self._on_decision(after)
+                        budget_spent = after.attempts < self._max_attempts
+                        if budget_spent:
+                            metrics.retry_budget_exhausted.inc()
+                        decisions.labels(policy_name, "retry_budget" if budget_spent else "no_engine").inc()
+                        raise NoEngineAvailable(after.message) from None
+                    metrics.retries.inc()
+                    backoff_s = after.delay_s
                     continue
-                life.on_first_event()
+                self._apply(life.on_first_event(clock.now()))
                 timing = _ChoiceTiming(hints.arrival_s)
                 if self._observe(first, timing, life):
                     yield first
                     return
                 yield first
-                async for event in stream:
+                while True:
+                    try:
+                        event = await _next_event(stream, watched)
+                    except StopAsyncIteration:
+                        raise EngineStreamError("engine stream ended without a finish event") from None
+                    except Stalled as e:
+                        raise EngineStreamError(str(e)) from None
                     finished = self._observe(event, timing, life)
                     yield event
                     if finished:
                         return
-                raise EngineStreamError("engine stream ended without a finish event")
+            except EngineStreamError:  # the engine failed it: a stall, a broken stream, an error finish
+                stalled = watched is not None and watched.stalled
+                if life.current is not None:
+                    self._apply(life.failure("stall" if stalled else "server_errors", clock.now()))
+                metrics.stream_errors.labels("stall" if stalled else "engine").inc()
+                raise
             finally:
+                if watched is not None and watch is not None:
+                    watch.close(watched)
                 try:
                     with contextlib.suppress(Exception):
                         await stream.aclose()  # type: ignore[attr-defined]  # cancels the engine request
@@ -230,6 +281,19 @@ class Dispatcher:
                     released = life.on_closed()
                     if released is not None:
                         state.note_finish(released, request.request_id)
+                    if backoff_s > 0:
+                        await asyncio.sleep(backoff_s)
+
+    def _apply(self, outcome: Outcome) -> None:
+        """Apply a transport outcome to outlier detection; count and log a change of pool membership."""
+        if not record_outcome(self._state, outcome):
+            return
+        if outcome.reason is None:
+            log.info("engine %s is back in the pool (a request succeeded)", outcome.engine_id)
+        else:
+            self._metrics.outlier_ejections.labels(str(outcome.engine_id), outcome.reason).inc()
+            log.warning("engine %s ejected from the pool after consecutive failures (%s)",
+                        outcome.engine_id, outcome.reason)
 
     def _observe(self, event: EngineEvent, timing: _ChoiceTiming, life: ChoiceLife) -> bool:
         """Feed `event` to the life and the latency metrics; True on a successful finish (its latency sample
@@ -254,9 +318,53 @@ class Dispatcher:
         return False
 
 
+async def _next_event(stream: AsyncIterator[EngineEvent], watched: Watched | None) -> EngineEvent:
+    """The stream's next event; under a stall watch, `Stalled` when the watch gave up waiting for it."""
+    if watched is None:
+        return await anext(stream)
+    watched.awaiting = True
+    try:
+        event = await anext(stream)
+    except asyncio.CancelledError:
+        watched.awaiting = False
+        if watched.stalled and watched.task.uncancel() == 0:
+            raise Stalled(f"the engine produced no event for {watched.timeout_s:g} s") from None
+        raise
+    watched.awaiting = False
+    watched.events += 1
+    return event
+
+
+def _failure_of(error: BaseException) -> tuple[FailureReason, str]:
+    """The outlier-detection reason and message of a failure before the first event."""
+    if isinstance(error, Stalled):
+        return "stall", str(error)
+    if isinstance(error, EngineUnavailable):
+        return ("server_errors" if error.server_error else "connect_failures"), str(error)
+    return "server_errors", "the engine ended the stream without an event"
+
+
 def _log_decision(decision: Decision) -> None:
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("routing decision: %s", decision)
+    """The default `on_decision`: nothing (the debug line is written by `_debug_decision`)."""
+
+
+def _debug_decision(policy_name: str, policy: object, decision: Decision, moment: Moment) -> None:
+    """At DEBUG: the decision, the policy that made it, why (dispatch, retry or give-up) and, for a policy
+    that can score (PRISM's `scores`), every candidate's score and confidence on the same snapshot."""
+    if isinstance(decision, GiveUp):
+        log.debug("routing: policy=%s reason=give_up attempts=%d: %s", policy_name, decision.attempts,
+                  decision.message)
+        return
+    f = decision.features
+    scores = getattr(policy, "scores", None)
+    detail = ""
+    if callable(scores):
+        detail = " scores=" + ", ".join(f"{e}:{s:.4g}@{c:.2f}" for e, s, c in scores(f, moment.snapshot))
+    views = {e.engine_id: e for e in moment.snapshot.serving(f.model)}
+    load = ", ".join(f"{e}:q{v.queue_length}{'/stale' if v.stale else ''}" for e, v in views.items())
+    log.debug("routing: request=%s policy=%s reason=%s engine=%s attempt=%d exclude=%s load=[%s]%s",
+              f.request_id, policy_name, "dispatch" if decision.attempt == 1 else "retry",
+              decision.engine_id, decision.attempt, sorted(f.exclude), load, detail)
 
 
 class _ChoiceTiming:

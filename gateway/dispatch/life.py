@@ -14,7 +14,10 @@ features it builds are `gateway.dispatch.features.build_features`'s.
 
 The life's states: routing (`route` returns a `Dispatch` or `GiveUp`), an open attempt (until the executor
 calls `on_closed`, which names the engine to release), streaming (after `on_first_event`: no more retries),
-done (after `on_finished` or a `GiveUp`). An attempt closed after `on_unavailable` goes back to routing. Later
+done (after `on_finished` or a `GiveUp`). `on_unavailable` answers `Retry(delay_s)` (close the attempt, wait,
+route again) or `GiveUp` (attempts or the gateway's retry budget, `gateway.dispatch.retry`, exhausted).
+Transport outcomes for outlier detection: the first event is a success, `on_unavailable` and a failed stream
+a failure (`Outcome` effects the executor applies with `record_outcome`). Later
 features (following a migration, escalating a cascade stage, handing over to the next stage) are further
 events of this class, so the simulator runs them too.
 """
@@ -24,7 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.cluster.health import FailureReason
 from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
+from gateway.dispatch.retry import RetryBudget
 from gateway.domain import ClusterSnapshot, EngineId, EngineRequest, Finished, RequestFeatures
 from gateway.policies.base import Policy
 
@@ -76,6 +81,24 @@ class StreamFailed:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Effect: close the failed attempt, wait `delay_s` (jittered backoff), then `route` again."""
+
+    delay_s: float
+    attempt: int  # the attempt that failed
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Effect: the transport outcome of an attempt on `engine_id` (None reason: success), for outlier
+    detection (`record_outcome`)."""
+
+    engine_id: EngineId
+    reason: FailureReason | None
+    now_s: float
+
+
 Decision = Dispatch | GiveUp
 
 
@@ -91,6 +114,21 @@ class DispatchLedger(Protocol):
         session_id: str,
         now_s: float,
     ) -> None: ...
+
+
+class OutcomeLedger(Protocol):
+    """The part of a cluster state that keeps outlier detection (`ClusterState` has it)."""
+
+    def note_success(self, engine_id: EngineId) -> bool: ...
+
+    def note_failure(self, engine_id: EngineId, reason: FailureReason, now_s: float) -> bool: ...
+
+
+def record_outcome(ledger: OutcomeLedger, outcome: Outcome) -> bool:
+    """Apply an `Outcome`; True when it changed the engine's membership (ejected it, or ended an ejection)."""
+    if outcome.reason is None:
+        return ledger.note_success(outcome.engine_id)
+    return ledger.note_failure(outcome.engine_id, outcome.reason, outcome.now_s)
 
 
 def record_dispatch(ledger: DispatchLedger, dispatch: Dispatch) -> None:
@@ -109,7 +147,8 @@ class ChoiceLife:
     """The decisions of one choice: build it on arrival, feed it events, apply what it returns."""
 
     __slots__ = ("request", "hints", "prompt_tokens", "max_attempts", "session_engine", "session_last_used_s",
-                 "tried", "decisions", "last_error", "current", "first_token_s", "streaming", "done")
+                 "budget", "tried", "decisions", "last_error", "current", "first_token_s", "streaming",
+                 "done")
 
     def __init__(
         self,
@@ -119,7 +158,10 @@ class ChoiceLife:
         session_engine: EngineId | None = None,
         session_last_used_s: float = 0.0,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        budget: RetryBudget | None = None,
     ) -> None:
+        """`budget`: the executor's gateway-wide retry budget (None: retries bounded by `max_attempts` only,
+        without backoff)."""
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         self.request = request
@@ -128,6 +170,7 @@ class ChoiceLife:
         self.max_attempts = max_attempts
         self.session_engine = session_engine
         self.session_last_used_s = session_last_used_s
+        self.budget = budget
         self.tried: list[EngineId] = []
         self.decisions: list[Decision] = []
         self.last_error: str | None = None
@@ -144,6 +187,8 @@ class ChoiceLife:
             raise LifeError("route() while an attempt is open or after the stream began")
         if len(self.tried) >= self.max_attempts:
             return self._give_up()
+        if not self.tried and self.budget is not None:
+            self.budget.on_start(moment.now_s)
         features = build_features(
             self.request,
             self.hints,
@@ -164,8 +209,8 @@ class ChoiceLife:
         self.decisions.append(dispatch)
         return dispatch
 
-    def _give_up(self) -> GiveUp:
-        detail = (f" after {len(self.tried)} unavailable engine(s): {self.last_error}"
+    def _give_up(self, why: str = "") -> GiveUp:
+        detail = (f" after {len(self.tried)} unavailable engine(s){why}: {self.last_error}"
                   if self.last_error is not None else "")
         give_up = GiveUp(f"no engine for model {self.request.model!r}{detail}", len(self.tried))
         self.done = True
@@ -174,18 +219,34 @@ class ChoiceLife:
 
     # ---- the open attempt ----------------------------------------------------------------------------------
 
-    def on_unavailable(self, error: str) -> None:
-        """The open attempt's engine failed before any event (safe to retry elsewhere): once the executor has
-        closed the attempt (`on_closed`), `route` may pick another engine."""
-        self._open()
+    def on_unavailable(self, error: str, now_s: float, rand: float) -> Retry | GiveUp:
+        """The open attempt's engine failed before any event (safe to retry elsewhere). `Retry`: once the
+        executor has closed the attempt (`on_closed`) and waited, `route` may pick another engine; `GiveUp`
+        when no attempt is left or the retry budget is spent. `rand`: a uniform draw for the backoff
+        jitter."""
+        dispatch = self._open()
         if self.streaming:
             raise LifeError("on_unavailable() after the stream began: that is a stream error, not a retry")
         self.last_error = error
+        if len(self.tried) >= self.max_attempts:
+            return self._give_up()
+        budget = self.budget
+        if budget is None:
+            return Retry(0.0, dispatch.attempt)
+        if not budget.try_retry(now_s):
+            return self._give_up(" (retry budget exhausted)")
+        return Retry(budget.params.backoff_s(dispatch.attempt, rand), dispatch.attempt)
 
-    def on_first_event(self) -> None:
-        """The engine answered: from now on output may reach the client, so this choice never retries."""
-        self._open()
+    def failure(self, reason: FailureReason, now_s: float) -> Outcome:
+        """The outlier-detection outcome of the open attempt's failure (`reason`)."""
+        return Outcome(self._open().engine_id, reason, now_s)
+
+    def on_first_event(self, now_s: float) -> Outcome:
+        """The engine answered: from now on output may reach the client, so this choice never retries. The
+        transport worked: a success for outlier detection."""
+        dispatch = self._open()
         self.streaming = True
+        return Outcome(dispatch.engine_id, None, now_s)
 
     def on_token(self, now_s: float) -> None:
         """A token arrived at `now_s` (only the first one matters to the life)."""

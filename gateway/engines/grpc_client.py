@@ -1,21 +1,27 @@
 """`EngineClient` over gRPC to a Switchyard engine agent.
 
-Owns: the grpc.aio channel to one agent (keepalive on, created lazily inside the running loop), how requests
-travel (by default every request on one multiplexed `Session` call per agent, `gateway.engines.grpc_session`,
-opened lazily and reopened after it breaks; `multiplex=False`, or an agent without `Session`, uses one
-`Generate` call per request), and the translation between the gateway's engine types (`gateway.domain`) and
-the generated proto messages. With `grpc_session` it is the only gateway code that imports
-`switchyard.proto_gen` (checked by tests/unit/test_import_rules.py).
+Owns: the grpc.aio channel to one agent (keepalive on, created lazily inside the running loop; TLS and the
+bearer token as its `EngineLink` says, `gateway.engines.grpc_link`: the token is metadata on every call), how
+requests travel (by default every request on one multiplexed `Session` call per agent,
+`gateway.engines.grpc_session`, opened lazily and reopened after it breaks; `multiplex=False`, or an agent
+without `Session`, uses one `Generate` call per request), and the translation between the gateway's engine
+types (`gateway.domain`) and the generated proto messages. With `grpc_session` it is the only gateway code
+that imports `switchyard.proto_gen` (checked by tests/unit/test_import_rules.py).
 Error mapping of `generate`: a failure before the first event is `EngineUnavailable` (safe to retry
 elsewhere), except INVALID_ARGUMENT, which is `EngineRequestError` (the API answers 400); a failure after the
 first event is `EngineStreamError`. Closing the generator early cancels the request (a `cancel` on the
 session, or the Generate call's cancel), and the agent aborts it.
+An agent that refuses the gateway's credentials (UNAUTHENTICATED, PERMISSION_DENIED on GetInfo or WatchState)
+is an error in the log naming the engine (once, until it accepts them again; the cluster store's backoff paces
+the retries), and the `EngineUnavailable` says which setting to check; a channel that does not connect over
+TLS names the failure gRPC saw (a handshake failure otherwise reads like an unreachable agent).
 Must not: know about routing, SSE or the HTTP API; retry (dispatch decides).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Literal, cast
 
@@ -36,9 +42,12 @@ from gateway.domain import (
     Finished,
     LensState,
 )
+from gateway.engines.grpc_link import PLAINTEXT, EngineLink
 from gateway.engines.grpc_session import AgentSessionCall, SessionStreamEnded
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 _FINISH_REASONS: frozenset[str] = frozenset({"stop", "length", "abort", "error"})
@@ -179,6 +188,9 @@ def _describe_rpc_error(exc: grpc.aio.AioRpcError) -> str:
     return f"{exc.code().name}: {exc.details()}"
 
 
+_REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
 class GrpcEngineClient:
     def __init__(
         self,
@@ -188,10 +200,15 @@ class GrpcEngineClient:
         watch_interval_ms: int = 0,
         options: tuple[tuple[str, int | str], ...] = KEEPALIVE_OPTIONS,
         multiplex: bool = True,
+        link: EngineLink = PLAINTEXT,
     ) -> None:
         """`address` is host:port; `watch_interval_ms` asks the agent for a report interval (0: its own);
-        `multiplex`: all requests on one Session call (False: a Generate call per request)."""
+        `multiplex`: all requests on one Session call (False: a Generate call per request); `link`: TLS and
+        token (default plaintext, no token)."""
         self._address = address
+        self._link = link
+        self._metadata = link.metadata or None
+        self._refused = False  # the agent refused our credentials and has not accepted them since
         self._multiplex = multiplex
         self._session_call: AgentSessionCall | None = None
         self._connect_timeout_s = connect_timeout_s
@@ -206,7 +223,12 @@ class GrpcEngineClient:
 
     def _get_stub(self) -> pb_grpc.EngineAgentStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self._address, options=list(self._options))
+            options = [*self._options, *self._link.channel_options]
+            self._channel = (
+                grpc.aio.insecure_channel(self._address, options=options)
+                if self._link.credentials is None
+                else grpc.aio.secure_channel(self._address, self._link.credentials, options=options)
+            )
             self._stub = pb_grpc.EngineAgentStub(self._channel)
         return self._stub
 
@@ -218,17 +240,51 @@ class GrpcEngineClient:
             try:
                 await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout_s)
             except TimeoutError as exc:
+                why = await self._connect_failure(stub)
                 raise EngineUnavailable(
-                    f"engine {self._address} not reachable within {self._connect_timeout_s}s"
+                    f"engine {self._address} not reachable within {self._connect_timeout_s}s{why}"
                 ) from exc
         return stub
+
+    async def _connect_failure(self, stub: pb_grpc.EngineAgentStub) -> str:
+        """Over TLS, why the channel does not connect (a handshake failure reads like an unreachable agent):
+        a fail-fast call returns the last connection error gRPC saw."""
+        if not self._link.tls:
+            return ""
+        try:
+            await stub.GetInfo(
+                pb.GetInfoRequest(), timeout=1.0, wait_for_ready=False, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            return f" over TLS ({exc.details()})"
+        return ""
+
+    def _refusal(self, rpc: str, exc: grpc.aio.AioRpcError) -> EngineUnavailable:
+        """The agent refused the gateway's credentials: an error in the log (once per refusal streak)."""
+        what = (
+            "set engine_link.auth_token_file to the file holding the agent's token"
+            if not self._metadata
+            else "engine_link.auth_token_file does not hold the agent's token"
+        )
+        message = f"engine {self._address} refused the gateway on {rpc}: {_describe_rpc_error(exc)} ({what})"
+        if not self._refused:
+            log.error("%s; retrying with backoff", message)
+            self._refused = True
+        return EngineUnavailable(message)
 
     async def describe(self) -> EngineDescription:
         stub = await self._connected_stub()
         try:
-            info = await stub.GetInfo(pb.GetInfoRequest(), timeout=self._connect_timeout_s)
+            info = await stub.GetInfo(
+                pb.GetInfoRequest(), timeout=self._connect_timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSED:
+                raise self._refusal("GetInfo", exc) from exc
             raise EngineUnavailable(f"GetInfo on {self._address}: {_describe_rpc_error(exc)}") from exc
+        if self._refused:
+            log.info("engine %s accepts the gateway's credentials again", self._address)
+            self._refused = False
         return from_engine_info(info)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
@@ -240,7 +296,9 @@ class GrpcEngineClient:
         if current is None or current.broken:
             stub = await self._connected_stub()
             if self._session_call is current:  # nobody opened one while this waited for the channel
-                self._session_call = AgentSessionCall(stub, self._address)
+                self._session_call = AgentSessionCall(stub, self._address, metadata=self._metadata)
+                if current is not None:  # the broken call's request-writing task would stay pending
+                    await current.close()
         assert self._session_call is not None
         return self._session_call
 
@@ -281,7 +339,7 @@ class GrpcEngineClient:
     async def _generate_call(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         message = to_generate_request(request)
         stub = await self._connected_stub()
-        call = stub.Generate(message)
+        call = stub.Generate(message, metadata=self._metadata)
         started = False
         try:
             async for event in call:
@@ -298,11 +356,15 @@ class GrpcEngineClient:
 
     async def watch_state(self) -> AsyncIterator[EngineReport]:
         stub = await self._connected_stub()
-        call = stub.WatchState(pb.WatchStateRequest(interval_ms=self._watch_interval_ms))
+        call = stub.WatchState(
+            pb.WatchStateRequest(interval_ms=self._watch_interval_ms), metadata=self._metadata
+        )
         try:
             async for state in call:
                 yield from_engine_state(state)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSED:
+                raise self._refusal("WatchState", exc) from exc
             raise EngineUnavailable(f"WatchState on {self._address}: {_describe_rpc_error(exc)}") from exc
         finally:
             call.cancel()

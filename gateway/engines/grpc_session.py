@@ -81,14 +81,21 @@ class SessionStream:
 class AgentSessionCall:
     """One live Session call. `broken` once the call failed or ended: open a new one for new requests."""
 
-    def __init__(self, stub: pb_grpc.EngineAgentStub, address: str) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.EngineAgentStub,
+        address: str,
+        *,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
+        """`metadata` goes with the call (the gateway's bearer token, `grpc_link`)."""
         self._address = address
         self._streams: dict[int, SessionStream] = {}
         self._tags = itertools.count(1)
         self._outbox = pb.SessionUp()
         self._ready = asyncio.Event()
         self._failure: SessionStreamEnded | None = None
-        self._call = stub.Session(self._requests())
+        self._call = stub.Session(self._requests(), metadata=metadata)
         self._reader = asyncio.create_task(self._read_loop(), name=f"session-reader:{address}")
 
     @property

@@ -15,7 +15,8 @@ translation into the gateway's engine events and reports.
   timeout (uvicorn's 5 s, which vllm serve and SGLang use) can close one the gateway is about to reuse.
   aiohttp sets TCP_NODELAY on every connection it opens.
 - `watch_state` polls /metrics every `metrics_interval_s` (a background task of the cluster store, never the
-  request path) and parses vLLM's (and SGLang's) gauge names into `EngineReport`s. When only a KV usage
+  request path; a failed scrape is skipped, so the state goes stale while requests keep deciding
+  availability) and parses vLLM's (and SGLang's) gauge names into `EngineReport`s. When only a KV usage
   fraction is known, KV figures are expressed over a nominal total of `NOMINAL_KV_BLOCKS` (1000) blocks, so
   kv_blocks_free = round((1 - usage) * 1000) and `kv_free_ratio` is exact; vLLM's `cache_config_info`
   `num_gpu_blocks` label, when present, replaces the nominal total. An upstream without /metrics (404) yields
@@ -26,6 +27,8 @@ Must not: know about routing, the gateway's HTTP API or SSE writer; retry (dispa
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any, Literal, cast
 
@@ -48,6 +51,8 @@ from gateway.domain import (
     Finished,
 )
 from switchyard.clock import Clock, MonotonicClock
+
+log = logging.getLogger(__name__)
 
 NOMINAL_KV_BLOCKS = 1000
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -109,30 +114,42 @@ def build_body(request: EngineRequest) -> tuple[str, dict[str, Any]]:
     return path, body
 
 
-def _sum_samples(families: dict[str, list[float]], names: tuple[str, ...]) -> float | None:
+def _count(families: dict[str, list[float]], names: tuple[str, ...]) -> int:
+    """The first family of `names` present, summed, as a count (0 when none is present)."""
     for name in names:
         if name in families:
-            return sum(families[name])
-    return None
+            total = sum(families[name])
+            if not (math.isfinite(total) and total >= 0):
+                raise ValueError(f"{name} is {total}, not a count")
+            return int(total)
+    return 0
 
 
 def parse_metrics(text: str) -> tuple[int, int, int, int]:
-    """(num_running, num_waiting, kv_blocks_total, kv_blocks_free) from Prometheus text (see module doc)."""
+    """(num_running, num_waiting, kv_blocks_total, kv_blocks_free) from Prometheus text (see module doc).
+
+    Raises `ValueError` (only) for text the Prometheus parser rejects, counts that are negative or not finite,
+    and a KV usage that is not a number; the caller then treats the scrape as failed."""
     samples: dict[str, list[float]] = {}
     total_blocks = 0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples.setdefault(sample.name, []).append(sample.value)
-            if sample.name == _CACHE_INFO and sample.labels.get("num_gpu_blocks", "").isdigit():
-                total_blocks = max(total_blocks, int(sample.labels["num_gpu_blocks"]))
-    running = int(_sum_samples(samples, _RUNNING) or 0)
-    waiting = int(_sum_samples(samples, _WAITING) or 0)
+            blocks = sample.labels.get("num_gpu_blocks", "") if sample.name == _CACHE_INFO else ""
+            if blocks.isascii() and blocks.isdigit():  # "²" is a digit to isdigit, not to int
+                total_blocks = max(total_blocks, int(blocks))
+    running = _count(samples, _RUNNING)
+    waiting = _count(samples, _WAITING)
     usage_values = next((samples[n] for n in _KV_USAGE if n in samples), None)
     if usage_values is None:
         return running, waiting, 0, 0
-    usage = min(1.0, max(0.0, sum(usage_values) / len(usage_values)))
+    usage = sum(usage_values) / len(usage_values)
+    if math.isnan(usage):
+        raise ValueError("the KV cache usage is not a number")
+    usage = min(1.0, max(0.0, usage))
     total_blocks = total_blocks or NOMINAL_KV_BLOCKS
-    return running, waiting, total_blocks, round((1.0 - usage) * total_blocks)
+    # min: a float product rounds past a total beyond 2**53 blocks
+    return running, waiting, total_blocks, min(total_blocks, round((1.0 - usage) * total_blocks))
 
 
 def upstream_session(max_connections: int = MAX_CONNECTIONS) -> aiohttp.ClientSession:
@@ -145,9 +162,11 @@ class SseChunkParser:
     """An upstream's streamed body, fed as it arrives, turned into `Delta`s and the final `Finished`.
 
     `feed` returns the deltas of every complete line; `done` turns true at `data: [DONE]` (later bytes are
-    ignored); an `error` chunk or undecodable JSON stops parsing and sets `error` (raise it after relaying the
-    deltas before it). `finished()` is the stream's `Finished` once the body ended, or raises when it ended
-    without a finish reason and without `[DONE]`.
+    ignored); an `error` chunk, undecodable JSON or a chunk not shaped like OpenAI's (choices not a list of
+    objects, a delta not an object, text, a finish reason or usage of the wrong type) stops parsing and sets
+    `error` (raise it after relaying the deltas before it). `finished()` is the stream's `Finished` once the
+    body ended, or raises when it ended without a finish reason and without `[DONE]`, or when its usage counts
+    are not non-negative integers. Whatever the bytes, `EngineStreamError` is the only exception raised.
     """
 
     __slots__ = ("_source", "_tail", "finish_reason", "usage", "deltas", "done", "error")
@@ -196,36 +215,66 @@ class SseChunkParser:
                 self.error = EngineStreamError(f"bad SSE chunk from {self._source}: {data[:200]!r}")
                 break
             if "error" in chunk:
-                self.error = EngineStreamError(f"upstream {self._source} error: {chunk['error']}")
+                self.error = EngineStreamError(f"upstream {self._source} error: {chunk['error']!r:.500}")
                 break
             usage = chunk.get("usage")
             if usage:
+                if not isinstance(usage, dict):
+                    self.error = self._malformed(data)
+                    break
                 self.usage = usage
-            for choice in chunk.get("choices") or ():
+            choices = chunk.get("choices") or ()
+            if not isinstance(choices, list | tuple):
+                self.error = self._malformed(data)
+                break
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    self.error = self._malformed(data)
+                    return out
                 if "delta" in choice:
                     delta = choice["delta"]
+                    if delta and not isinstance(delta, dict):
+                        self.error = self._malformed(data)
+                        return out
                     text = delta.get("content") if delta else None
                 else:
                     text = choice.get("text")
                 if text:
+                    if not isinstance(text, str):
+                        self.error = self._malformed(data)
+                        return out
                     self.deltas += 1
                     out.append(Delta(text, (), 1))  # (text, token_ids, num_tokens): positional is faster
                 reason = choice.get("finish_reason")
                 if reason:
+                    if not isinstance(reason, str):
+                        self.error = self._malformed(data)
+                        return out
                     self.finish_reason = reason
         return out
+
+    def _malformed(self, data: bytes) -> EngineStreamError:
+        return EngineStreamError(f"malformed SSE chunk from {self._source}: {data[:200]!r}")
 
     def finished(self) -> Finished:
         if self.finish_reason is None and not self.done:
             raise EngineStreamError(f"stream from {self._source} ended without a finish")
         usage = self.usage or {}
         details = usage.get("prompt_tokens_details") or {}
+        if not isinstance(details, dict):
+            raise EngineStreamError(f"stream from {self._source}: malformed usage {usage!r:.200}")
         return Finished(
             finish_reason=_finish_reason(self.finish_reason),
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or self.deltas),
-            cached_tokens=int(details.get("cached_tokens") or 0),
+            prompt_tokens=self._usage_count(usage, "prompt_tokens", 0),
+            completion_tokens=self._usage_count(usage, "completion_tokens", self.deltas),
+            cached_tokens=self._usage_count(details, "cached_tokens", 0),
         )
+
+    def _usage_count(self, usage: dict[str, Any], name: str, default: int) -> int:
+        value = usage.get(name) or default
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32:
+            return value
+        raise EngineStreamError(f"stream from {self._source}: usage {name} is {value!r:.50}, not a count")
 
 
 class OpenAIUpstreamClient:
@@ -320,7 +369,7 @@ class OpenAIUpstreamClient:
                 message = f"POST {self._base_url}{path} answered {resp.status}: {detail}"
                 if 400 <= resp.status < 500 and resp.status not in _RETRYABLE_4XX:
                     raise EngineRequestError(message)
-                raise EngineUnavailable(message)
+                raise EngineUnavailable(message, server_error=resp.status >= 500)
             started = True
             yield Admitted(prompt_tokens=0)
             parser = SseChunkParser(self._base_url)
@@ -361,9 +410,23 @@ class OpenAIUpstreamClient:
 
     async def watch_state(self) -> AsyncIterator[EngineReport]:
         seq = 0
+        failing = False
         while True:
             engine_timestamp_s = self._clock.now()
-            running, waiting, kv_total, kv_free = await self._scrape()
+            try:
+                running, waiting, kv_total, kv_free = await self._scrape()
+            except EngineUnavailable as exc:
+                # A late or failed scrape makes the state stale, never the upstream unavailable: requests
+                # decide that (outlier detection). Logged once per run of failures.
+                if not failing:
+                    log.warning("%s: metrics scrape failed, routing on local accounting: %s",
+                                self._base_url, exc)
+                failing = True
+                await asyncio.sleep(self._metrics_interval_s)
+                continue
+            if failing:
+                log.info("%s: metrics scrape works again", self._base_url)
+                failing = False
             seq += 1
             desc = self._description
             yield EngineReport(

@@ -30,6 +30,7 @@ SHARED_GAUGES = frozenset(
         "switchyard_engine_waiting_requests",
         "switchyard_engine_kv_free_ratio",
         "switchyard_engine_ready",
+        "switchyard_engine_stale",
         "switchyard_engine_state_age_seconds",
         "switchyard_gateway_workers",
     }
@@ -221,7 +222,19 @@ class EngineStateCollector(Collector):
             "switchyard_engine_kv_free_ratio", "Free KV blocks / total, as last reported", labels=["engine"]
         )
         ready = GaugeMetricFamily(
-            "switchyard_engine_ready", "1 when the engine is ready and its state fresh", labels=["engine"]
+            "switchyard_engine_ready",
+            "1 when the engine is in the pool (ready, not ejected)",
+            labels=["engine"],
+        )
+        stale = GaugeMetricFamily(
+            "switchyard_engine_stale",
+            "1 when the engine's last report is older than stale_after_s (routed on local accounting)",
+            labels=["engine"],
+        )
+        ejected = GaugeMetricFamily(
+            "switchyard_engine_ejected",
+            "1 while outlier detection keeps the engine out of the pool (summed over a gateway's workers)",
+            labels=["engine"],
         )
         age = GaugeMetricFamily(
             "switchyard_engine_state_age_seconds", "Seconds since the engine's last report", labels=["engine"]
@@ -231,9 +244,11 @@ class EngineStateCollector(Collector):
             running.add_metric(labels, e.num_running)
             waiting.add_metric(labels, e.num_waiting)
             kv_free.add_metric(labels, e.kv_free_ratio)
-            ready.add_metric(labels, 1.0 if e.ready and not e.stale else 0.0)
+            ready.add_metric(labels, 1.0 if e.ready and not e.ejected else 0.0)
+            stale.add_metric(labels, 1.0 if e.stale else 0.0)
+            ejected.add_metric(labels, 1.0 if e.ejected else 0.0)
             age.add_metric(labels, e.state_age_s)
-        yield from (running, waiting, kv_free, ready, age)
+        yield from (running, waiting, kv_free, ready, stale, ejected, age)
 
 
 class GatewayMetrics:
@@ -290,6 +305,51 @@ class GatewayMetrics:
             "Dispatches whose engine was unavailable before the first event (then retried elsewhere)",
             registry=r,
         )
+        self.retry_budget_exhausted = Counter(
+            "switchyard_retry_budget_exhausted_total",
+            "Choices that failed before the first event and were not retried: the retry budget was spent",
+            registry=r,
+        )
+        self.outlier_ejections = Counter(
+            "switchyard_outlier_ejections_total",
+            "Engines taken out of the pool by outlier detection, by engine and the failure that did it",
+            ["engine", "reason"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "switchyard_stream_errors_total",
+            "Choices that ended with an error after their stream began, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.admission = Counter(
+            "switchyard_admission_total",
+            "Requests at the admission gate by model and outcome (admitted at once, queued, rejected)",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.admission_rejections = Counter(
+            "switchyard_admission_rejections_total",
+            "Requests the admission gate refused (503 fleet_saturated), by model and reason",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "switchyard_gateway_queue_depth", "Requests waiting in the gateway's admission queue", ["model"],
+            registry=r,
+        )
+        self.queue_wait = LoopHistogram(
+            "switchyard_gateway_queue_wait_seconds",
+            "Time queued requests waited at the admission gate before dispatch",
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            "switchyard_routing_decisions_total",
+            "Routing decisions by policy and outcome (dispatch, retry, no_engine, retry_budget)",
+            ["policy", "reason"],
+            registry=r,
+        )
         self.workers = Gauge(
             "switchyard_gateway_workers", "Worker processes serving this gateway's port", registry=r
         )
@@ -302,6 +362,33 @@ class GatewayMetrics:
         )
         self._engine_collector: EngineStateCollector | None = None
         self._request_counts: dict[tuple[str, int], Callable[[], None]] = {}
+        # API keys (gateway.api.access), labelled by key name, never the key; only with a key file. Keyless or
+        # bad-key requests count as key="unauthenticated".
+        self.key_requests = Counter(
+            "switchyard_key_requests_total",
+            "Requests by API key name, model and status code",
+            ["key", "model", "status"],
+            registry=r,
+        )
+        self.key_tokens = Counter(
+            "switchyard_key_tokens_total",
+            "Tokens charged to an API key (kind: prompt or completion), counted when the request ends",
+            ["key", "kind"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "switchyard_rate_limited_total",
+            "Requests refused with 429, by API key name and limit (requests, tokens, concurrency, too_large)",
+            ["key", "reason"],
+            registry=r,
+        )
+        # Hostile clients (gateway.api.client_guard): a response write the client left unread for
+        # client_limits.slow_client_timeout_s; the connection was cut and the engine request aborted.
+        self.slow_client_aborts = Counter(
+            "switchyard_slow_client_aborts_total",
+            "Requests aborted because the client stopped reading the response",
+            registry=r,
+        )
 
     def attach_engine_state(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
         """Expose per-engine gauges read from `snapshot()` at each scrape (one source at a time)."""

@@ -22,5 +22,6 @@ class Policy(Protocol):
 
 
 def eligible(features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineView, ...]:
-    """Engines serving the request's model, ready, fresh, and not already tried for it."""
+    """Engines serving the request's model, ready, not ejected and not already tried for it (stale ones
+    included: their views carry local accounting)."""
     return tuple(e for e in snapshot.serving(features.model) if e.engine_id not in features.exclude)

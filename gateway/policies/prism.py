@@ -49,8 +49,9 @@ Stale state: with age a = state_age_s, confidence c_e = 0.5 ** (max(0, a - fresh
 The state part of the log score, s_e = sum of w_i log S_i over latency, load and capacity, is blended toward
 the candidates' mean: c_e * s_e + (1 - c_e) * mean(s): an old report says less about the engine, so it is
 scored more like a typical engine. (Blending toward 1, "neutral", would instead make an old report of an
-overloaded engine attractive.) Engines flagged stale (no report within the store's bound) are candidates only
-when no fresh engine is, with c = 0: graceful degradation rather than a refusal.
+overloaded engine attractive.) Engines flagged stale (no report within the store's bound) stay candidates with
+c = 0 (their views carry the gateway's local accounting): staleness makes routing less informed, never
+refuses a request.
 Ties: the highest log score within a relative 1e-12 wins; among tied engines the highest confidence (a fresh
 engine beats an older report with the same score); among those, the one at index floor(rand * n) in engine-id
 order, so exact ties spread uniformly without favouring the first engine.
@@ -270,16 +271,8 @@ class PrismPolicy:
         return self._params
 
     def candidates(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineView, ...]:
-        """Eligible fresh engines; when there are none, the ready but stale ones (not excluded)."""
-        engines = eligible(features, snapshot)
-        if engines:
-            return engines
-        exclude = features.exclude
-        return tuple(
-            e
-            for e in snapshot.engines
-            if e.model == features.model and e.ready and e.stale and e.engine_id not in exclude
-        )
+        """The eligible engines, stale ones included (their confidence is 0: they score the mean)."""
+        return eligible(features, snapshot)
 
     def _totals(
         self, features: RequestFeatures, snapshot: ClusterSnapshot

@@ -1,10 +1,10 @@
 """Round robin: the baseline policy.
 
 Owns: `RoundRobinPolicy` and its (empty) parameters `RoundRobinParams`.
-Formula: let E be the eligible engines (`base.eligible`: right model, ready, fresh, not excluded) sorted by
-engine id; pick E[dispatch_seq mod |E|]. `dispatch_seq` comes from the dispatcher (one per decision), so the
-policy holds no counter and stays a pure function; when the eligible set changes the rotation simply continues
-over the new set.
+Formula: let E be the eligible engines (`base.eligible`: right model, ready, not ejected, not excluded)
+sorted by engine id; pick E[dispatch_seq mod |E|]. `dispatch_seq` comes from the dispatcher (one per
+decision), so the policy holds no counter and stays a pure function; when the eligible set changes the
+rotation simply continues over the new set.
 Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state.
 """
 

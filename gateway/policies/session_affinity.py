@@ -2,7 +2,7 @@
 
 Owns: `SessionAffinityPolicy`, its parameters `SessionAffinityParams` and `is_saturated`.
 Rule: with s = features.session_engine, pick s when all hold:
-  1. s is not None and s is eligible (right model, ready, fresh, not excluded);
+  1. s is not None and s is eligible (right model, ready, not ejected, not excluded);
   2. the session record is live: features.now_s - features.session_last_used_s <= ttl_s;
   3. s is not saturated: NOT (max_num_seqs > 0 and queue_length >= max_num_seqs) and
      NOT (kv_blocks_total > 0 and kv_free_ratio < min_kv_free_ratio), where queue_length is reported running +

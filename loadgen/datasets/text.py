@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,29 +22,42 @@ HUMAN_ROLES = frozenset({"human", "user"})
 
 
 class DatasetFormatError(ValueError):
-    """A dataset file does not match its expected schema; the message names the file and the record."""
+    """A dataset file does not match its expected schema; the message names the file and the record. The
+    loaders raise it, and only it, for any content of a file they can read (OSError stays OSError)."""
 
 
 def read_json(path: Path) -> Any:
     with path.open("rb") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except (ValueError, RecursionError) as exc:  # invalid JSON or UTF-8, or nested too deep
+            raise DatasetFormatError(f"{path}: invalid JSON: {exc}") from exc
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(1-based line number, object) for each non-blank line."""
     rows: list[tuple[int, dict[str, Any]]] = []
+    line_no = 0
     with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetFormatError(f"{path}:{line_no}: invalid JSON: {exc}") from exc
-            if not isinstance(obj, dict):
-                raise DatasetFormatError(f"{path}:{line_no}: expected a JSON object per line")
-            rows.append((line_no, obj))
+        try:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except (ValueError, RecursionError) as exc:
+                    raise DatasetFormatError(f"{path}:{line_no}: invalid JSON: {exc}") from exc
+                if not isinstance(obj, dict):
+                    raise DatasetFormatError(f"{path}:{line_no}: expected a JSON object per line")
+                rows.append((line_no, obj))
+        except UnicodeDecodeError as exc:
+            raise DatasetFormatError(f"{path}:{line_no + 1}: not UTF-8: {exc}") from exc
     return rows
+
+
+def _human(turn: dict[str, Any]) -> bool:
+    role = turn.get("from")
+    return isinstance(role, str) and role in HUMAN_ROLES
 
 
 def load_sharegpt(
@@ -68,15 +82,15 @@ def load_sharegpt(
     out: list[Request] = []
     for row, record in enumerate(records):
         turns = record.get("conversations") if isinstance(record, dict) else None
-        if not isinstance(turns, list):
-            raise DatasetFormatError(f"{path}: record {row} has no 'conversations' list")
-        first = next((i for i, t in enumerate(turns) if t.get("from") in HUMAN_ROLES), None)
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise DatasetFormatError(f"{path}: record {row} has no 'conversations' list of objects")
+        first = next((i for i, t in enumerate(turns) if _human(t)), None)
         if first is None:
             continue
         prompt = str(turns[first].get("value", ""))
         reply = turns[first + 1] if first + 1 < len(turns) else None
         output_tokens: int | None
-        if reply is not None and reply.get("from") not in HUMAN_ROLES:
+        if reply is not None and not _human(reply):
             output_tokens, _ = count_tokens(str(reply.get("value", "")), tokenizer)
             length_source = "reply"
         elif fallback is not None and fallback.size > 0:
@@ -145,11 +159,14 @@ def load_custom_jsonl(path: Path, *, name: str, tokenizer: TokenizerLike | None)
         if not isinstance(prompt, str):
             raise DatasetFormatError(f"{path}:{line_no}: 'prompt' must be a string")
         output_tokens = obj.get("output_tokens")
-        if output_tokens is not None and (not isinstance(output_tokens, int) or output_tokens < 0):
+        if output_tokens is not None and (
+            isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0
+        ):
             raise DatasetFormatError(f"{path}:{line_no}: 'output_tokens' must be a non-negative integer")
         timestamp = obj.get("timestamp")
-        if timestamp is not None and (isinstance(timestamp, bool) or not isinstance(timestamp, int | float)):
-            raise DatasetFormatError(f"{path}:{line_no}: 'timestamp' must be a number of seconds")
+        number = isinstance(timestamp, int | float) and not isinstance(timestamp, bool)
+        if timestamp is not None and not (number and math.isfinite(timestamp)):  # json reads NaN, Infinity
+            raise DatasetFormatError(f"{path}:{line_no}: 'timestamp' must be a finite number of seconds")
         known = {"prompt", "output_tokens", "timestamp", "request_id", "session_id"}
         meta = {k: v for k, v in obj.items() if k not in known} | {"row": row}
         session = obj.get("session_id")

@@ -23,18 +23,25 @@ TICKS_PER_S = 10_000_000  # Azure timestamps carry 7 fractional digits (100 ns)
 
 
 def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """(data row, record) per row; a short row's missing cells are None (csv.DictReader's restval)."""
+    row = -1
     with path.open("r", encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in required if c not in (reader.fieldnames or ())]
-        if missing:
-            raise DatasetFormatError(f"{path}: missing CSV column(s) {missing}; found {reader.fieldnames}")
-        yield from enumerate(reader)
+        try:
+            reader = csv.DictReader(f)
+            missing = [c for c in required if c not in (reader.fieldnames or ())]
+            if missing:
+                found = reader.fieldnames
+                raise DatasetFormatError(f"{path}: missing CSV column(s) {missing}; found {found}")
+            for row, record in enumerate(reader):
+                yield row, record
+        except (UnicodeDecodeError, csv.Error) as exc:  # not UTF-8, a field over the csv module's limit, ...
+            raise DatasetFormatError(f"{path}: data row {row + 1}: unreadable CSV: {exc}") from exc
 
 
 def _int(path: Path, row: int, record: dict[str, str], column: str) -> int:
     try:
         value = int(float(record[column]))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: "inf", "1e400"
         raise DatasetFormatError(f"{path}: data row {row}: {column}={record[column]!r} is not a number") \
             from exc
     if value < 0:
@@ -46,7 +53,7 @@ def parse_azure_timestamp_ticks(text: str) -> int:
     """``YYYY-MM-DD HH:MM:SS[.fffffff]`` (no zone) as integer 100 ns ticks since 0001-01-01."""
     text = text.strip()
     whole, _, fraction = text.partition(".")
-    if len(fraction) > 7 or (fraction and not fraction.isdigit()):
+    if len(fraction) > 7 or (fraction and not (fraction.isascii() and fraction.isdigit())):
         raise ValueError(f"bad fractional seconds in timestamp {text!r}")
     moment = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S")
     day_s = moment.hour * 3600 + moment.minute * 60 + moment.second
@@ -59,6 +66,8 @@ def load_azure_csv(path: Path, *, name: str) -> list[Request]:
     out: list[Request] = []
     first_ticks: int | None = None
     for row, record in _rows(path, AZURE_COLUMNS):
+        if record["TIMESTAMP"] is None:
+            raise DatasetFormatError(f"{path}: data row {row}: no TIMESTAMP")
         try:
             ticks = parse_azure_timestamp_ticks(record["TIMESTAMP"])
         except ValueError as exc:

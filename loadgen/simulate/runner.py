@@ -21,7 +21,7 @@ from operator import sub
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
 from gateway.dispatch.features import RoutingHints
-from gateway.dispatch.life import ChoiceLife, Decision, GiveUp, RecordLatency, record_dispatch
+from gateway.dispatch.life import ChoiceLife, Decision, GiveUp, RecordLatency, record_dispatch, record_outcome
 from gateway.domain import ChatTurn, EngineRequest, Finished
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
@@ -172,7 +172,8 @@ class _Run:
             self._release(life, decider)
             self._fail(index, now_s, request, str(exc), node.engine_id)
             return
-        life.on_first_event()  # live: the agent's `admitted` event; no retry after it
+        # Live: the agent's `admitted` event; no retry after it, and a success for outlier detection.
+        record_outcome(state, life.on_first_event(now_s))
         node.requests += 1
         self.dispatched[decider.index] += 1
         self.times_of[rid] = []

@@ -37,8 +37,17 @@ class Agent:
         self.target = f"127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, tmp: Path, *extra: str, profile: str = PROFILE) -> Agent:
-        """Start `python -m engine_agent --backend sim` on a free loopback port; returns once SERVING."""
+    def start(
+        cls,
+        tmp: Path,
+        *extra: str,
+        profile: str = PROFILE,
+        credentials: grpc.ChannelCredentials | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Agent:
+        """Start `python -m engine_agent --backend sim` on a free loopback port; returns once SERVING.
+        `credentials`: how the health probe connects (an agent with --tls-cert); `env`: the agent's whole
+        environment (default: this process's)."""
         port = _free_port()
         log_path = tmp / f"agent-{port}.log"
         with log_path.open("wb") as log:
@@ -60,14 +69,21 @@ class Agent:
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=env,
             )
         agent = cls(port, proc, log_path)
-        agent.wait_serving()
+        agent.wait_serving(credentials=credentials)
         return agent
 
-    def wait_serving(self, timeout_s: float = 30.0) -> None:
+    def wait_serving(
+        self, timeout_s: float = 30.0, *, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.target) as channel:
+        with (
+            grpc.insecure_channel(self.target)
+            if credentials is None
+            else grpc.secure_channel(self.target, credentials)
+        ) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

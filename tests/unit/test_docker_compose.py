@@ -203,7 +203,8 @@ def test_docker_compose_config_renders_the_stack(tmp_path: Path, gpus: int) -> N
     result = compose_config(tmp_path, f"gpus-{gpus}", SWITCHYARD_MODEL_DIR=str(model_dir))
     assert result.returncode == 0, result.stderr
     rendered = yaml.safe_load(result.stdout)["services"]
-    assert set(rendered) == {f"gateway-gpus-{gpus}", "prometheus", *(f"agent-{i}" for i in range(gpus))}
+    always = {"prometheus", "grafana"}
+    assert set(rendered) == {f"gateway-gpus-{gpus}", *always, *(f"agent-{i}" for i in range(gpus))}
     gateway_env = rendered[f"gateway-gpus-{gpus}"]["environment"]
     assert gateway_env["SWITCHYARD_GATEWAY_POLICY__NAME"] == "least_loaded"
     for i in range(gpus):

@@ -62,13 +62,16 @@ class FakeEngine:
         self.requests: list[EngineRequest] = []
         self.closed_streams = 0
         self.completed_streams = 0
+        self.max_num_seqs = 64
 
     @property
     def address(self) -> str:
         return f"fake://{self.engine_id}"
 
     async def describe(self) -> EngineDescription:
-        return EngineDescription(EngineId(self.engine_id), self.model, "fake", "sim", "", 4096, 16, 64)
+        return EngineDescription(
+            EngineId(self.engine_id), self.model, "fake", "sim", "", 4096, 16, self.max_num_seqs
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         self.requests.append(request)

@@ -201,9 +201,9 @@ def test_static_weighted_distributes_by_weight_within_5_percent_over_seeded_draw
             {"a": 0.5, "b": 0.5},
         ),
         (
-            "excluded and not-ready engines get nothing",
+            "excluded, not-ready and ejected engines get nothing",
             StaticWeightedPolicy(StaticWeightedParams(weights={"a": 1, "b": 1, "c": 1, "d": 1})),
-            snapshot(engine("a"), engine("b", ready=False), engine("c", stale=True), engine("d")),
+            snapshot(engine("a"), engine("b", ready=False), engine("c", ejected=True), engine("d")),
             {"a": 0.5, "d": 0.5},
         ),
     ],

@@ -142,7 +142,10 @@ def test_merging_no_sibling_gives_the_worker_exposition_back() -> None:
 def test_every_gauge_is_classified_shared_or_per_process() -> None:
     """A new gauge must be put in SHARED_GAUGES when every worker reports it alike (or here when it is the
     process's own): a merged scrape sums the others, which would multiply a shared one by N."""
-    per_process = {"switchyard_requests_in_flight"}
+    # Each worker ejects, and queues at its admission gate, on its own.
+    per_process = {
+        "switchyard_requests_in_flight", "switchyard_engine_ejected", "switchyard_gateway_queue_depth"
+    }
     metrics = GatewayMetrics()
     metrics.observe_request("m", 200)
     metrics.scrape_worker_errors.labels("1").inc()

@@ -88,10 +88,16 @@ def test_round_robin_cycles_through_every_engine_in_id_order() -> None:
             "b",
         ),
         (
-            "idle but stale engine skipped",
-            snapshot(engine("a", stale=True), engine("b", inflight_tokens=900)),
+            "idle but ejected engine skipped",
+            snapshot(engine("a", ejected=True), engine("b", inflight_tokens=900)),
             features(),
             "b",
+        ),
+        (
+            "stale engine stays eligible on local accounting",
+            snapshot(engine("a", stale=True, inflight_tokens=100), engine("b", inflight_tokens=900)),
+            features(),
+            "a",
         ),
         (
             "idle but not ready engine skipped",
@@ -140,8 +146,8 @@ PAIR = snapshot(S_FREE, IDLE)
             "idle",
         ),
         (
-            "stale session engine falls back",
-            snapshot(engine("s", stale=True), engine("t", inflight_tokens=5)),
+            "ejected session engine falls back",
+            snapshot(engine("s", ejected=True), engine("t", inflight_tokens=5)),
             features(session_engine="s", session_last_used_s=99.0),
             "t",
         ),

@@ -404,13 +404,17 @@ def test_an_aged_engine_never_wins_a_tie_against_a_fresh_one(rand: float) -> Non
     assert pick(snap, features(rand=rand)) == "b"
 
 
-def test_stale_engines_serve_only_when_no_fresh_engine_can() -> None:
-    snap = snapshot(
-        engine("a", stale=True, state_age_s=9.0), engine("b", num_running=50, last_iteration_s=0.1)
-    )
-    assert pick(snap) == "b"
-    assert pick(snap, features(exclude=("b",))) == "a"
+def test_stale_engines_stay_candidates_scored_at_the_mean() -> None:
+    busy = engine("b", num_running=50, last_iteration_s=0.1)
+    idle = engine("c")
+    stale = engine("a", stale=True, state_age_s=9.0)
+    policy = PrismPolicy()
+    scores = {e: s for e, s, _ in policy.scores(features(), snapshot(stale, busy, idle))}
+    assert scores["b"] < scores["a"] < scores["c"]
+    assert pick(snapshot(stale, busy)) == "a"  # better than a known-busy engine, worse than a known-idle one
+    assert pick(snapshot(stale, busy, idle)) == "c"
     assert pick(snapshot(engine("a", stale=True, ready=False))) is None
+    assert pick(snapshot(engine("a", stale=True, ejected=True), busy)) == "b"
 
 
 @pytest.mark.parametrize("k", [0.5, 4.0, 40.0, 1000.0])

@@ -21,11 +21,14 @@ from gateway.dispatch.life import (
     GiveUp,
     LifeError,
     Moment,
+    Outcome,
     RecordLatency,
+    Retry,
     StreamFailed,
     record_dispatch,
 )
 from gateway.dispatch.policy_set import PolicySet
+from gateway.dispatch.retry import RetryBudget, RetryParams
 from gateway.domain import ChatTurn, EngineEvent, EngineId, EngineRequest, Finished
 from gateway.observability.metrics import GatewayMetrics
 from gateway.policies.registry import POLICY_NAMES, make_policy
@@ -76,16 +79,38 @@ def test_an_unavailable_engine_is_retried_elsewhere_then_the_life_gives_up() -> 
     life = ChoiceLife(REQUEST, HINTS, max_attempts=2)
     first = life.route(RoundRobinPolicy(), moment(seq=0))
     assert isinstance(first, Dispatch) and first.engine_id == A
-    life.on_unavailable("connection refused")
+    assert life.failure("connect_failures", 10.05) == Outcome(A, "connect_failures", 10.05)
+    assert life.on_unavailable("connection refused", 10.05, 0.5) == Retry(0.0, 1)  # no budget: no backoff
     assert life.on_closed() == A
     second = life.route(RoundRobinPolicy(), moment(seq=0, now_s=10.1))
     assert isinstance(second, Dispatch) and second.engine_id == B and second.attempt == 2
     assert second.features.exclude == frozenset({A}) and second.features.now_s == 10.1
-    life.on_unavailable("reset")
-    assert life.on_closed() == B
-    third = life.route(RoundRobinPolicy(), moment(seq=5))
+    third = life.on_unavailable("reset", 10.2, 0.5)
     assert third == GiveUp("no engine for model 'm' after 2 unavailable engine(s): reset", 2)
+    assert life.on_closed() == B
     assert life.decisions == [first, second, third] and life.done
+
+
+def test_retries_wait_a_jittered_backoff_and_stop_when_the_budget_is_spent() -> None:
+    budget = RetryBudget(RetryParams(ratio=0.5, min_retries_per_s=0.0, window_s=10.0, base_backoff_s=0.1,
+                                     max_backoff_s=0.3))
+    lives = [ChoiceLife(replace(REQUEST, request_id=f"r{i}"), HINTS, max_attempts=5, budget=budget)
+             for i in range(2)]
+    for life in lives:  # two choices started: one retry allowed in the window
+        life.route(RoundRobinPolicy(), moment(seq=0))
+    first = lives[0]
+    assert first.on_unavailable("down", 10.0, 0.5) == Retry(0.05, 1)  # rand * 0.1 * 2**0
+    first.on_closed()
+    first.route(RoundRobinPolicy(), moment(seq=0, now_s=10.1))
+    refused = lives[1].on_unavailable("down", 10.2, 0.5)
+    assert isinstance(refused, GiveUp) and "retry budget exhausted" in refused.message
+    assert refused.attempts == 1 and lives[1].done
+    assert budget.try_retry(20.0) is False  # the window emptied of starts too: nothing earned
+    budget.on_start(20.0)
+    budget.on_start(20.0)
+    assert budget.try_retry(20.0) is True
+    assert [RetryParams(base_backoff_s=0.1, max_backoff_s=0.3).backoff_s(k, 0.999) for k in (1, 2, 3, 9)] == \
+        pytest.approx([0.0999, 0.1998, 0.2997, 0.2997])
 
 
 def test_no_eligible_engine_gives_up_at_once() -> None:
@@ -96,9 +121,9 @@ def test_no_eligible_engine_gives_up_at_once() -> None:
 def test_no_retry_once_the_stream_began() -> None:
     life = ChoiceLife(REQUEST, HINTS)
     life.route(RoundRobinPolicy(), moment(seq=0))
-    life.on_first_event()
+    assert life.on_first_event(10.5) == Outcome(A, None, 10.5)
     with pytest.raises(LifeError):
-        life.on_unavailable("too late")
+        life.on_unavailable("too late", 10.6, 0.0)
     with pytest.raises(LifeError):
         life.route(RoundRobinPolicy(), moment(seq=1))
 
@@ -106,10 +131,10 @@ def test_no_retry_once_the_stream_began() -> None:
 def test_a_finish_records_latency_from_the_dispatch_to_the_engine_that_served() -> None:
     life = ChoiceLife(REQUEST, HINTS)
     life.route(RoundRobinPolicy(), moment(seq=0, now_s=10.0))
-    life.on_unavailable("down")
+    life.on_unavailable("down", 10.1, 0.0)
     life.on_closed()
     life.route(RoundRobinPolicy(), moment(seq=0, now_s=10.5))  # the retry's dispatch time counts
-    life.on_first_event()
+    life.on_first_event(10.6)
     life.on_token(10.75)
     life.on_token(10.8)
     outcome = life.on_finished(Finished("stop", 10, 2), 11.5)
@@ -122,7 +147,7 @@ def test_a_finish_records_latency_from_the_dispatch_to_the_engine_that_served() 
 def test_an_error_finish_is_a_stream_failure(reason: str, message: str, expected: str) -> None:
     life = ChoiceLife(REQUEST, HINTS)
     life.route(RoundRobinPolicy(), moment(seq=0))
-    life.on_first_event()
+    life.on_first_event(10.5)
     finish = Finished(reason, 10, 0, error_message=message)  # type: ignore[arg-type]
     assert life.on_finished(finish, 11.0) == StreamFailed(expected)
 
@@ -130,7 +155,7 @@ def test_an_error_finish_is_a_stream_failure(reason: str, message: str, expected
 def test_events_without_an_open_attempt_are_executor_bugs() -> None:
     life = ChoiceLife(REQUEST, HINTS)
     with pytest.raises(LifeError):
-        life.on_first_event()
+        life.on_first_event(10.0)
     with pytest.raises(ValueError):
         ChoiceLife(REQUEST, HINTS, max_attempts=0)
 

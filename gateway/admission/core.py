@@ -1,0 +1,207 @@
+"""Admission control as pure decisions: a bounded, priority-ordered gateway queue per model, SLO-aware
+shedding.
+
+Owns: `AdmissionParams`; `ModelQueue`, one model's state (requests dispatched through it, the queue, recent
+completions) and its decisions (`arrive`, `pump`, `leave`); `fleet_slots` and `predicted_engine_ttft_s`, what
+it reads from a `ClusterSnapshot`. The live `AdmissionGate` (`gateway.admission.gate`) runs it with futures
+and the clock; a simulator can run it in virtual time.
+Must not: import asyncio, aiohttp, grpc, prometheus or time, read a clock (times are arguments), or route.
+
+The model (one per served model):
+- Slots: the fleet's concurrent capacity, the sum over the engines in the pool of their `max_num_seqs`
+  (`default_engine_slots` for an engine that does not say). While fewer requests than that are dispatched and
+  nobody waits, a request goes through at once; otherwise it waits in the queue, ordered by priority (lower
+  values first, as vLLM's) then arrival. With no engine in the pool the gate lets everything through (the
+  dispatcher answers no_engine_available).
+- Predicted TTFT of a new request = its queue wait + the best engine's TTFT. Queue wait = (requests queued
+  ahead of it, + 1) / the model's completion rate over the last `rate_window_s` (0 while it would go through
+  at once; unknown, so no shedding on it, before any completion). Engine TTFT = the engine's batch latency +
+  its queued prefill (pending + dispatched-unreported + this prompt) / its prefill throughput: LENS's figures
+  when the engine reports them, else the last iteration time and the GPU class's nominal peak (PRISM's
+  `class_peak_tokens_per_s`), else the engine's recent mean TTFT as observed by the gateway.
+- Shedding, answered at once: predicted TTFT > the request's TTFT SLO (reason `slo_unattainable`; requests
+  without an SLO are never shed on prediction); the queue full (`queue_full`), unless a queued request has a
+  lower priority (larger value) than the newcomer, in which case the last such request is shed instead
+  (`preempted`) and the newcomer queues. `retry_after_s` = the predicted wait, clamped to [1, 60] s.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.domain import ClusterSnapshot, EngineView
+from gateway.policies.prism import PrismParams, class_peak_tokens_per_s
+
+ShedReason = Literal["queue_full", "slo_unattainable", "preempted"]
+_PRISM = PrismParams()
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionParams:
+    max_queue: int = 1024  # per model
+    default_engine_slots: int = 256  # an engine that does not describe max_num_seqs
+    rate_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0 or self.default_engine_slots < 1 or self.rate_window_s <= 0:
+            raise ValueError("need max_queue >= 0, default_engine_slots >= 1, rate_window_s > 0")
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request at the gate (compared by identity)."""
+
+    priority: int
+    arrival_s: float
+    slots: int = 1  # choices (n)
+    seq: int = 0
+    state: Literal["new", "queued", "admitted", "shed", "gone"] = "new"
+    shed_reason: ShedReason | None = None
+    retry_after_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    ticket: Ticket
+    reason: ShedReason
+    retry_after_s: float
+
+
+@dataclass(slots=True)
+class Arrival:
+    """What `arrive` decided: `admitted` (go now), `queued` (wait for `pump`), or `shed` (answer now); plus
+    any queued ticket it preempted (answer that one now too)."""
+
+    outcome: Literal["admitted", "queued", "shed"]
+    shed: Shed | None = None
+    preempted: Shed | None = None
+    predicted_ttft_s: float | None = None
+
+
+def predicted_engine_ttft_s(e: EngineView, prompt_tokens: int) -> float | None:
+    """The engine's TTFT for a new request of `prompt_tokens` (see the module docstring); None if unknown."""
+    lens = e.lens
+    if lens is not None and lens.peak_throughput_tokens_per_s > 0:
+        latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
+        peak = lens.peak_throughput_tokens_per_s
+    elif e.profile:
+        latency_s = e.last_iteration_s
+        peak = class_peak_tokens_per_s(e.profile, _PRISM)
+    elif e.recent_ttft_s is not None:
+        return e.recent_ttft_s
+    else:
+        return None
+    queued = e.pending_prefill_tokens + e.unreported_prompt_tokens + max(0, prompt_tokens)
+    return latency_s + queued / peak
+
+
+def fleet_slots(snapshot: ClusterSnapshot, model: str, params: AdmissionParams) -> int:
+    return sum(e.max_num_seqs if e.max_num_seqs > 0 else params.default_engine_slots
+               for e in snapshot.serving(model))
+
+
+def best_engine_ttft_s(snapshot: ClusterSnapshot, model: str, prompt_tokens: int) -> float | None:
+    estimates = [predicted_engine_ttft_s(e, prompt_tokens) for e in snapshot.serving(model)]
+    known = [t for t in estimates if t is not None]
+    return min(known) if known else None
+
+
+@dataclass(slots=True)
+class ModelQueue:
+    """One model's gate (see the module docstring); every method takes the time as an argument."""
+
+    params: AdmissionParams
+    dispatched: int = 0  # slots held by admitted tickets
+    _heap: list[tuple[int, int, Ticket]] = field(default_factory=list)  # (priority, seq, ticket)
+    _queued: int = 0  # live tickets in the heap (gone ones are skipped lazily)
+    _seq: int = 0
+    _completions: deque[float] = field(default_factory=deque)
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def completion_rate(self, now_s: float) -> float:
+        """Releases per second over the rate window (0.0 before any)."""
+        window_s = self.params.rate_window_s
+        done = self._completions
+        while done and done[0] <= now_s - window_s:
+            done.popleft()
+        return len(done) / window_s
+
+    def arrive(self, ticket: Ticket, now_s: float, slots: int, engine_ttft_s: float | None,
+               slo_ttft_s: float | None) -> Arrival:
+        self._seq += 1
+        ticket.seq = self._seq
+        if slots <= 0 or (self._queued == 0 and self.dispatched + ticket.slots <= slots):
+            if slo_ttft_s is not None and engine_ttft_s is not None and engine_ttft_s > slo_ttft_s:
+                return Arrival("shed", shed=self._shed(ticket, "slo_unattainable", 1.0),
+                               predicted_ttft_s=engine_ttft_s)
+            self._admit(ticket)
+            return Arrival("admitted", predicted_ttft_s=engine_ttft_s)
+        ahead = sum(1 for p, _, t in self._heap if t.state == "queued" and p <= ticket.priority)
+        rate = self.completion_rate(now_s)
+        wait_s = (ahead + 1) / rate if rate > 0 else None
+        predicted = None if wait_s is None else wait_s + (engine_ttft_s or 0.0)
+        retry_after_s = min(60.0, max(1.0, math.ceil(wait_s))) if wait_s is not None else 1.0
+        if slo_ttft_s is not None and predicted is not None and predicted > slo_ttft_s:
+            return Arrival("shed", shed=self._shed(ticket, "slo_unattainable", retry_after_s),
+                           predicted_ttft_s=predicted)
+        preempted: Shed | None = None
+        if self._queued >= self.params.max_queue:
+            victim = self._lowest_priority()
+            if victim is None or victim.priority <= ticket.priority:
+                return Arrival("shed", shed=self._shed(ticket, "queue_full", retry_after_s),
+                               predicted_ttft_s=predicted)
+            self._queued -= 1
+            preempted = self._shed(victim, "preempted", retry_after_s)
+        ticket.state = "queued"
+        heapq.heappush(self._heap, (ticket.priority, ticket.seq, ticket))
+        self._queued += 1
+        return Arrival("queued", preempted=preempted, predicted_ttft_s=predicted)
+
+    def pump(self, slots: int) -> list[Ticket]:
+        """Queued tickets that may go now (in order), admitted; call after a leave or a capacity change."""
+        admitted: list[Ticket] = []
+        heap = self._heap
+        while heap:
+            _, _, head = heap[0]
+            if head.state != "queued":
+                heapq.heappop(heap)
+                continue
+            if slots > 0 and self.dispatched + head.slots > slots and self.dispatched > 0:
+                break
+            heapq.heappop(heap)
+            self._queued -= 1
+            self._admit(head)
+            admitted.append(head)
+        return admitted
+
+    def leave(self, ticket: Ticket, now_s: float) -> None:
+        """The ticket's request ended (or its client left while it was queued)."""
+        if ticket.state == "admitted":
+            self.dispatched -= ticket.slots
+            self._completions.append(now_s)
+            self.completion_rate(now_s)  # drops what left the window: bounded by the window's completions
+        elif ticket.state == "queued":
+            self._queued -= 1  # its heap entry is skipped by `pump`
+        ticket.state = "gone"
+
+    def _admit(self, ticket: Ticket) -> None:
+        ticket.state = "admitted"
+        self.dispatched += ticket.slots
+
+    def _shed(self, ticket: Ticket, reason: ShedReason, retry_after_s: float) -> Shed:
+        ticket.state = "shed"
+        ticket.shed_reason = reason
+        ticket.retry_after_s = retry_after_s
+        return Shed(ticket, reason, retry_after_s)
+
+    def _lowest_priority(self) -> Ticket | None:
+        """The queued ticket to preempt first: the largest priority value, latest arrival among those."""
+        live = [(p, s, t) for p, s, t in self._heap if t.state == "queued"]
+        return max(live, key=lambda x: (x[0], x[1]))[2] if live else None
