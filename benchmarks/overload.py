@@ -1,12 +1,12 @@
 """Overload at 2x fleet capacity: with admission control, do admitted requests meet their TTFT SLO, and how
 fast are rejections answered? Baseline in the same invocation: the same load with admission control off.
 
-One invocation starts `--agents` sim agents (`--profile`, `--max-num-seqs` seats each) and, per scenario, a
+One invocation starts `--agents` sim agents (`--profile`) and, per scenario, a
 gateway in front of them. It first measures the fleet's capacity (requests per second finished by a closed
-loop holding every seat busy for `--capacity-s`), then offers Poisson arrivals at `--load` x that rate for
-`--duration-s`, each request carrying `x-slo-ttft-ms`. Per scenario it reports: admitted (200) and rejected
-(503 fleet_saturated) counts, the share of admitted requests whose TTFT (arrival to first content chunk, at
-the client) met the SLO, TTFT p50/p99 of admitted requests, and the rejections' answer time p50/p99.
+loop with `--seats` clients per agent for `--capacity-s`), then offers Poisson arrivals at `--load` x that
+rate for `--duration-s`, each request carrying `x-slo-ttft-ms`. Per scenario it reports: admitted (200) and
+rejected (503 fleet_saturated) counts, the share of admitted requests whose TTFT (arrival to first content
+chunk, at the client) met the SLO, TTFT p50/p99 of admitted requests, and the rejections' answer time p50/p99.
 Attainment over all arrivals is reported too (a rejection counts as a miss), so shedding is never a free win.
 
     python benchmarks/overload.py [--agents 2] [--load 2.0] [--slo-ttft-ms 1000] \
@@ -117,7 +117,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--profile", default="h100-llama3-8b")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--seats", type=int, default=64, help="closed-loop clients per agent, capacity probe")
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     ap.add_argument("--capacity-s", type=float, default=15.0)
     ap.add_argument("--load", type=float, default=2.0, help="offered load, x the measured capacity")
@@ -133,8 +133,8 @@ def main() -> int:
             port = free_port()
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "engine_agent", "--backend", "sim", "--profile", args.profile,
-                 "--port", str(port), "--engine-id", f"ov-{i}", "--max-num-seqs", str(args.max_num_seqs),
-                 "--seed", str(i)], cwd=REPO, stderr=subprocess.DEVNULL))
+                 "--port", str(port), "--engine-id", f"ov-{i}", "--seed", str(i)],
+                cwd=REPO, stderr=subprocess.DEVNULL))
             targets.append(f"127.0.0.1:{port}")
         model = None
         for scenario, enabled in (("admission_on", "true"), ("admission_off", "false")):
@@ -151,13 +151,20 @@ def main() -> int:
                     import urllib.request  # noqa: PLC0415
                     with urllib.request.urlopen(f"{url}/v1/models") as r:
                         model = json.loads(r.read())["data"][0]["id"]
-                    seats = args.agents * args.max_num_seqs
+                    seats = args.agents * args.seats
                     cap = asyncio.run(capacity(url, model, seats, args.tokens, args.capacity_s))
                     res["capacity_rps"] = cap
                     print(f"capacity {cap:.2f} requests/s", flush=True)
                 rate = args.load * float(res["capacity_rps"])  # type: ignore[arg-type]
                 rows = asyncio.run(offered(url, model, rate, args.duration_s, args.tokens, args.slo_ttft_ms))
                 res[scenario] = summary(rows, args.slo_ttft_ms / 1e3)
+                import urllib.request  # noqa: PLC0415
+                with urllib.request.urlopen(f"{url}/metrics") as r:
+                    res[scenario]["gateway_metrics"] = [  # type: ignore[index]
+                        line for line in r.read().decode().splitlines()
+                        if line.startswith(("switchyard_admission", "switchyard_gateway_queue_depth",
+                                            "switchyard_gateway_queue_wait_seconds_sum",
+                                            "switchyard_gateway_queue_wait_seconds_count"))]
                 print(scenario, res[scenario], flush=True)
             finally:
                 gw.terminate()

@@ -15,12 +15,14 @@ The model (one per served model):
   dispatcher answers no_engine_available).
 - Predicted TTFT of a new request = its queue wait + the best engine's TTFT. Queue wait = (requests queued
   ahead of it, + 1) / the model's completion rate over the last `rate_window_s` (0 while it would go through
-  at once; unknown, so no shedding on it, before any completion). Engine TTFT = the engine's batch latency +
-  its queued prefill (pending + dispatched-unreported + this prompt) / its prefill throughput: LENS's figures
-  when the engine reports them, else the last iteration time and the GPU class's nominal peak (PRISM's
-  `class_peak_tokens_per_s`), else the engine's recent mean TTFT as observed by the gateway.
-- Shedding, answered at once: predicted TTFT > the request's TTFT SLO (reason `slo_unattainable`; requests
-  without an SLO are never shed on prediction); the queue full (`queue_full`), unless a queued request has a
+  at once; unknown, so no shedding on it, before any completion). Engine TTFT = the engine's recent mean TTFT
+  as the gateway observed it (a measurement of the engine now), else, with LENS, its batch latency + queued
+  prefill (pending + dispatched-unreported + this prompt) / P_max, else unknown (0). A nominal-peak estimate
+  by GPU class was tried and dropped: on sim agents it predicted > 1.5 s where 4 ms was measured and shed 68 %
+  of an under-loaded run (benchmarks/overload.py).
+- Shedding, answered at once, only while the slots are full (a request that would go through at once is
+  never shed): predicted TTFT > the request's TTFT SLO (reason `slo_unattainable`; requests without an SLO are
+  never shed on prediction); the queue full (`queue_full`), unless a queued request has a
   lower priority (larger value) than the newcomer, in which case the last such request is shed instead
   (`preempted`) and the newcomer queues. `retry_after_s` = the predicted wait, clamped to [1, 60] s.
 """
@@ -34,10 +36,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.domain import ClusterSnapshot, EngineView
-from gateway.policies.prism import PrismParams, class_peak_tokens_per_s
 
 ShedReason = Literal["queue_full", "slo_unattainable", "preempted"]
-_PRISM = PrismParams()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,19 +84,14 @@ class Arrival:
 
 def predicted_engine_ttft_s(e: EngineView, prompt_tokens: int) -> float | None:
     """The engine's TTFT for a new request of `prompt_tokens` (see the module docstring); None if unknown."""
-    lens = e.lens
-    if lens is not None and lens.peak_throughput_tokens_per_s > 0:
-        latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
-        peak = lens.peak_throughput_tokens_per_s
-    elif e.profile:
-        latency_s = e.last_iteration_s
-        peak = class_peak_tokens_per_s(e.profile, _PRISM)
-    elif e.recent_ttft_s is not None:
+    if e.recent_ttft_s is not None:
         return e.recent_ttft_s
-    else:
+    lens = e.lens
+    if lens is None or lens.peak_throughput_tokens_per_s <= 0:
         return None
+    latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
     queued = e.pending_prefill_tokens + e.unreported_prompt_tokens + max(0, prompt_tokens)
-    return latency_s + queued / peak
+    return latency_s + queued / lens.peak_throughput_tokens_per_s
 
 
 def fleet_slots(snapshot: ClusterSnapshot, model: str, params: AdmissionParams) -> int:
@@ -138,9 +133,6 @@ class ModelQueue:
         self._seq += 1
         ticket.seq = self._seq
         if slots <= 0 or (self._queued == 0 and self.dispatched + ticket.slots <= slots):
-            if slo_ttft_s is not None and engine_ttft_s is not None and engine_ttft_s > slo_ttft_s:
-                return Arrival("shed", shed=self._shed(ticket, "slo_unattainable", 1.0),
-                               predicted_ttft_s=engine_ttft_s)
             self._admit(ticket)
             return Arrival("admitted", predicted_ttft_s=engine_ttft_s)
         ahead = sum(1 for p, _, t in self._heap if t.state == "queued" and p <= ticket.priority)

@@ -26,6 +26,7 @@ from typing import Literal
 
 from aiohttp import web
 
+from gateway.dispatch.cancel import IDLE_STREAM_CANCEL as IDLE_STREAM_CANCEL  # re-exported for the API
 from gateway.dispatch.dispatcher import ClientDisconnected, EventSink
 from gateway.domain import EngineEvent
 
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 CHECKS_PER_BOUND = 4
 # The message of the handler's cancellation when a stream went idle (`task.cancel(IDLE_STREAM_CANCEL)`), so
 # that code the cancellation passes through can tell it from a client that went away.
-IDLE_STREAM_CANCEL = "stream_idle_timeout"
 
 
 class ClientGuard:

@@ -313,7 +313,7 @@ class ApiHandlers:
             request,
             idle_s=limits.idle_stream_timeout_s if idle and task is not None else None,
             slow_s=limits.slow_client_timeout_s,
-            on_idle=functools.partial(task.cancel, IDLE_STREAM_CANCEL) if task is not None else _nothing,
+            on_idle=_nothing if task is None else functools.partial(_cancel, task, IDLE_STREAM_CANCEL),
             count_abort=self.metrics.slow_client_aborts.inc,
             label=request_id,
         )
@@ -335,8 +335,10 @@ class ApiHandlers:
         limit_tokens = self.fleet.max_context_tokens(parsed.model)
         if limit_tokens is None:
             return
-        chat = isinstance(parsed, ChatCompletionRequest)
-        param = "max_completion_tokens" if chat and parsed.max_completion_tokens is not None else "max_tokens"
+        completion_limit = (
+            isinstance(parsed, ChatCompletionRequest) and parsed.max_completion_tokens is not None
+        )
+        param = "max_completion_tokens" if completion_limit else "max_tokens"
         output = parsed.output_limit_tokens()
         if output is not None and output > limit_tokens:
             raise errors.context_exceeded(param, output, limit_tokens)
@@ -388,6 +390,10 @@ async def _fail_stream(relay: StreamRelay, err: ApiError, guard: ClientGuard | N
 
 def _nothing() -> None:
     return None
+
+
+def _cancel(task: asyncio.Task[Any], message: str) -> None:
+    task.cancel(message)
 
 
 def _utf8(text: str) -> bool:

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from gateway.cluster.health import FailureReason
+from gateway.dispatch.cancel import IDLE_STREAM_CANCEL
 from gateway.dispatch.features import RoutingHints
 from gateway.dispatch.life import (
     DEFAULT_MAX_ATTEMPTS,
@@ -151,8 +152,9 @@ class Dispatcher:
         except ClientDisconnected:  # a write to a gone client failed
             self._metrics.client_disconnects.inc()
             raise
-        except asyncio.CancelledError:  # aiohttp cancels the handler when its client goes away ...
-            if not self._shutting_down:  # ... and when shutdown ends a request, which is no disconnect
+        except asyncio.CancelledError as e:  # aiohttp cancels the handler when its client goes away ...
+            # ... and shutdown or the idle-stream bound end a request, which is no disconnect.
+            if not self._shutting_down and e.args != (IDLE_STREAM_CANCEL,):
                 self._metrics.client_disconnects.inc()
             raise
 
