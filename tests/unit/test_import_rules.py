@@ -55,6 +55,7 @@ PURE_CORES = (
     PureCore("gateway/dispatch/features.py", GATEWAY_DOMAIN),
     PureCore("gateway/dispatch/retry.py", ()),
     PureCore("gateway/access", ("gateway.access", "gateway.config")),
+    PureCore("gateway/admission/core.py", GATEWAY_DOMAIN),
     PureCore("gateway/dispatch/life.py", (*GATEWAY_DOMAIN, "gateway.dispatch.features", "gateway.policies",
                                           "gateway.dispatch.retry", "gateway.cluster.health")),
     # Planners and reschedulers (CAUCHY, Cascadia, STAR, CascadeInfer) read snapshots and the engine model.
