@@ -28,6 +28,7 @@ import grpc
 import grpc.aio
 
 from engine_agent.config import LinkSecurityConfig
+from switchyard.link_token import parse_token
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +52,11 @@ def _read(path: str, flag: str) -> bytes:
 def read_token_file(path: str, flag: str = "--auth-token-file") -> str:
     """The token in `path`, surrounding whitespace stripped; it must be non-empty printable ASCII without
     whitespace inside (it travels as an HTTP/2 header value)."""
-    raw = _read(path, flag)
+    raw = _read(path, flag)  # its own error names the file
     try:
-        token = raw.decode("ascii").strip()
-    except UnicodeDecodeError as exc:
-        raise LinkSecurityError(f"{flag} {path}: the token must be ASCII") from exc
-    if not token:
-        raise LinkSecurityError(f"{flag} {path}: the file is empty (expected one token, e.g. 64 hex digits)")
-    if not token.isprintable() or any(c.isspace() for c in token):
-        raise LinkSecurityError(f"{flag} {path}: the token must be one word of printable ASCII")
-    return token
+        return parse_token(raw)
+    except ValueError as exc:
+        raise LinkSecurityError(f"{flag} {path}: {exc}") from exc
 
 
 def _refuse_encrypted_key() -> bytes:

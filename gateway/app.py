@@ -280,6 +280,35 @@ async def serve(
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def running(
+    config: GatewayConfig,
+    *,
+    app: web.Application | None = None,
+    ready_engines: int = 0,
+    ready_timeout_s: float = 10.0,
+) -> AsyncIterator[str]:
+    """`serve` in a task of the running loop (embedding, tests): yields the base URL once the socket listens
+    and `ready_engines` engines are in the pool, and stops the gateway gracefully on exit. Raises
+    `TimeoutError` when either takes longer than `ready_timeout_s`."""
+    app = app or build_app(config)
+    stop = asyncio.Event()
+    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(
+        serve(config, stop=stop, app=app, on_listening=listening.set_result, handle_signals=False)
+    )
+    try:
+        async with asyncio.timeout(ready_timeout_s):
+            base_url = await listening
+            store = app[STORE_KEY]
+            while store.ready_count() < ready_engines:  # noqa: ASYNC110 (the store has no readiness event)
+                await asyncio.sleep(0.025)
+        yield base_url
+    finally:
+        stop.set()
+        await server
+
+
 @contextlib.contextmanager
 def _collector_tuned() -> Iterator[None]:
     """While serving: rarer young collections (`_GC_GEN0_THRESHOLD`), and what start-up built (modules, the

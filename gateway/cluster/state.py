@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.cluster.health import EngineHealth, FailureReason, OutlierParams
 from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, EngineView
@@ -359,10 +359,7 @@ class ClusterState:
                 state_age_s=now_s - state.added_at_s,
             )
         age_s = now_s - state.report_received_s
-        ejected = state.health.out_of_pool(now_s)
-        if age_s > self._stale_after_s:
-            return self._local_view(state, report, block_size, max_num_seqs, age_s, ejected)
-        return EngineView(  # the latest report wins for identity: roles and profiles can change while running
+        view = EngineView(  # the latest report wins for identity: roles and profiles can change while running
             engine_id=state.engine_id,
             model=report.model,
             profile=report.profile,
@@ -380,7 +377,7 @@ class ClusterState:
             recent_latency_samples=samples,
             ready=state.connected and report.ready and not report.draining,
             stale=False,
-            ejected=ejected,
+            ejected=state.health.out_of_pool(now_s),
             state_age_s=age_s,
             seq=report.seq,
             num_running=report.num_running,
@@ -393,37 +390,15 @@ class ClusterState:
             last_iteration_s=report.last_iteration_s,
             lens=report.lens,
         )
-
-    @staticmethod
-    def _local_view(
-        state: _Engine, report: EngineReport, block_size: int, max_num_seqs: int, age_s: float, ejected: bool
-    ) -> EngineView:
-        """A stale engine's view: identity and readiness from its last report, load from local accounting
-        (see the module docstring)."""
-        samples = len(state.latencies)
+        if age_s <= self._stale_after_s:
+            return view
+        # Stale: identity and readiness from the last report, load from local accounting (module docstring).
         used_blocks = -(state.inflight_tokens // -block_size)
-        return EngineView(
-            engine_id=state.engine_id,
-            model=report.model,
-            profile=report.profile,
-            backend=report.backend,
-            role=report.role,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            inflight_requests=state.inflight_requests,
-            inflight_tokens=state.inflight_tokens,
-            recent_ttft_s=state.ttft_sum_s / samples if samples else None,
-            recent_e2e_s=state.e2e_sum_s / samples if samples else None,
-            recent_latency_samples=samples,
-            ready=state.connected and report.ready and not report.draining,
-            stale=True,
-            ejected=ejected,
-            state_age_s=age_s,
-            seq=report.seq,
-            num_running=state.inflight_requests,
-            kv_blocks_total=report.kv_blocks_total,
-            kv_blocks_free=max(0, report.kv_blocks_total - used_blocks),
-            last_iteration_s=report.last_iteration_s,
+        return replace(
+            view, stale=True, num_running=state.inflight_requests, num_waiting=0, kv_blocks_reserved=0,
+            kv_blocks_free=max(0, report.kv_blocks_total - used_blocks), pending_prefill_tokens=0,
+            running_batch_tokens=0, unreported_requests=0, unreported_tokens=0, unreported_prompt_tokens=0,
+            lens=None,
         )
 
     def engine_ids(self) -> tuple[EngineId, ...]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 
 from gateway.config import ConfigError, EngineLinkConfig
+from switchyard.link_token import parse_token
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,11 @@ def _read(path: str, key: str) -> bytes:
 
 def _read_token(path: str) -> str:
     """The token in `path`, surrounding whitespace stripped: non-empty printable ASCII, one word."""
-    where = f"engine_link.auth_token_file: {path}"
+    raw = _read(path, "auth_token_file")
     try:
-        token = _read(path, "auth_token_file").decode("ascii").strip()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{where}: the token must be ASCII") from exc
-    if not token:
-        raise ConfigError(f"{where}: the file is empty (expected the agents' token)")
-    if not token.isprintable() or any(c.isspace() for c in token):
-        raise ConfigError(f"{where}: the token must be one word of printable ASCII")
-    return token
+        return parse_token(raw)
+    except ValueError as exc:
+        raise ConfigError(f"engine_link.auth_token_file: {path}: {exc}") from exc
 
 
 def _no_password() -> bytes:

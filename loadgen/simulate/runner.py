@@ -10,7 +10,9 @@ latency sample; every worker's state receives every report), and the per-request
 Must not: model engines (that is `SimEngine`, invariant I2), decide anything of a
 request's life (routing, retries, what a finish records: `gateway.dispatch.life` does, as it does live;
 invariant I1), or read a clock other than the injected wall clock used only for `SimResult.wall_s` (virtual
-time is data, invariant I3).
+time is data, invariant I3). Not run here yet: the gateway's admission gate (`gateway.admission`, see its
+core's docstring) and its retry budget (simulated engines never fail before their first event, so no retry
+is ever asked for).
 """
 
 from __future__ import annotations

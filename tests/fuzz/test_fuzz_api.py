@@ -24,7 +24,7 @@ from api_fuzz import Case, generate_cases, send_all
 
 from engine_agent.sim.profiles import get_profile
 from gateway.api.openapi import openapi_document
-from gateway.app import METRICS_KEY, STORE_KEY, build_app, serve
+from gateway.app import METRICS_KEY, STORE_KEY, build_app, running
 from gateway.config import GatewayConfig
 from launcher.local_fleet import AgentSpec, LocalFleet
 
@@ -63,22 +63,8 @@ async def live(cases: list[Case]) -> AsyncIterator[Live]:
     async with LocalFleet(specs, start_timeout_s=90.0, stop_grace_s=5.0):
         config = GatewayConfig(port=0, engines=tuple(s.address for s in specs), **CONFIG)  # type: ignore[arg-type]
         app = build_app(config)
-        stop = asyncio.Event()
-        listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        server = asyncio.create_task(
-            serve(config, stop=stop, app=app, on_listening=listening.set_result, handle_signals=False)
-        )
-        try:
-            base_url = await asyncio.wait_for(listening, 10)
-            for _ in range(400):
-                if app[STORE_KEY].ready_count() == 2:
-                    break
-                await asyncio.sleep(0.025)
-            assert app[STORE_KEY].ready_count() == 2
+        async with running(config, app=app, ready_engines=2) as base_url:
             yield Live(app, base_url)
-        finally:
-            stop.set()
-            await server
 
 
 async def test_openapi_json_is_the_generated_document_and_covers_every_route(live: Live) -> None:

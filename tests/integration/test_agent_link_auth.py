@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from link_certs import LinkCerts, make_link_certs
 from openai import AsyncOpenAI
 
-from gateway.app import STORE_KEY, build_app, serve
+from gateway.app import running
 from gateway.config import EngineLinkConfig, GatewayConfig
 from gateway.domain import EngineRequest, EngineUnavailable, Finished
 from gateway.engines.grpc_client import GrpcEngineClient
@@ -316,30 +316,16 @@ async def test_gateway_serves_a_chat_completion_through_secured_agents(link: Lin
         stale_after_s=2.0,
         drain_timeout_s=1.0,
     )
-    app = build_app(config)
-    stop = asyncio.Event()
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(
-        serve(config, stop=stop, app=app, on_listening=listening.set_result, handle_signals=False)
-    )
-    try:
-        base_url = await asyncio.wait_for(listening, 10)
-        store = app[STORE_KEY]
-        for _ in range(400):
-            if store.ready_count() == 2:
-                break
-            await asyncio.sleep(0.025)
-        assert store.ready_count() == 2
-        async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
-            for _ in range(2):  # round robin: one through each agent
-                reply = await client.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": "Hello over TLS"}],
-                    max_tokens=5,
-                    extra_body={"ignore_eos": True},
-                )
-                assert reply.choices[0].message.content
-                assert reply.usage is not None and reply.usage.completion_tokens == 5
-    finally:
-        stop.set()
-        await server
+    async with (
+        running(config, ready_engines=2) as base_url,
+        AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        for _ in range(2):  # round robin: one through each agent
+            reply = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hello over TLS"}],
+                max_tokens=5,
+                extra_body={"ignore_eos": True},
+            )
+            assert reply.choices[0].message.content
+            assert reply.usage is not None and reply.usage.completion_tokens == 5

@@ -18,7 +18,7 @@ import pytest_asyncio
 from aiohttp import web
 from openai import AsyncOpenAI
 
-from gateway.app import METRICS_KEY, STORE_KEY, build_app, serve
+from gateway.app import METRICS_KEY, STORE_KEY, build_app, running
 from gateway.config import GatewayConfig
 from launcher.local_fleet import AgentSpec, LocalFleet
 
@@ -56,24 +56,11 @@ async def running_fleet(prefix: str) -> AsyncIterator[Running]:
             port=0, engines=tuple(s.address for s in specs), drain_timeout_s=2.0, stale_after_s=2.0
         )
         app = build_app(config)
-        stop = asyncio.Event()
-        listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        server = asyncio.create_task(
-            serve(config, stop=stop, app=app, on_listening=listening.set_result, handle_signals=False)
-        )
-        try:
-            base_url = await asyncio.wait_for(listening, 10)
-            store = app[STORE_KEY]
-            for _ in range(400):
-                if store.ready_count() == 2:
-                    break
-                await asyncio.sleep(0.025)
-            assert store.ready_count() == 2
-            async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
-                yield Running(fleet, app, client)
-        finally:
-            stop.set()
-            await server
+        async with (
+            running(config, app=app, ready_engines=2) as base_url,
+            AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client,
+        ):
+            yield Running(fleet, app, client)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

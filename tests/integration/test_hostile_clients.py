@@ -19,7 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.app import METRICS_KEY, STORE_KEY, build_app, serve
+from gateway.app import METRICS_KEY, STORE_KEY, build_app, running
 from gateway.config import ClientLimitsConfig, GatewayConfig
 from gateway.domain import (
     Admitted,
@@ -133,19 +133,9 @@ async def gateway(engine: Engine, *, sndbuf: int | None = None, **limits: float)
             transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
 
     app.on_response_prepare.append(keep_transport)
-    stop = asyncio.Event()
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(
-        serve(config, stop=stop, app=app, on_listening=listening.set_result, handle_signals=False)
-    )
-    try:
-        base_url = await asyncio.wait_for(listening, 10)
+    async with running(config, app=app, ready_engines=1) as base_url:
         host, port = base_url.removeprefix("http://").rsplit(":", 1)
-        assert await wait_until(lambda: app[STORE_KEY].ready_count() == 1)
         yield Gateway(app, host, int(port), transports)
-    finally:
-        stop.set()
-        await server
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

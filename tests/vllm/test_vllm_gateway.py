@@ -18,7 +18,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from engine_agent.tokenization import Tokenizer
-from gateway.app import STORE_KEY, build_app, serve
+from gateway.app import STORE_KEY, build_app, running
 from gateway.config import GatewayConfig
 from launcher.local_fleet import AgentSpec, LocalFleet
 
@@ -60,23 +60,11 @@ async def gw(tiny_model_dir: Path) -> AsyncIterator[Running]:
     async with LocalFleet([spec], start_timeout_s=300.0, stop_grace_s=20.0):
         config = GatewayConfig(port=0, engines=(spec.address,), drain_timeout_s=2.0, stale_after_s=5.0)
         app = build_app(config)
-        stop = asyncio.Event()
-        listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        server = asyncio.create_task(
-            serve(config, stop=stop, app=app, on_listening=listening.set_result, handle_signals=False)
-        )
-        try:
-            base_url = await asyncio.wait_for(listening, 10)
-            for _ in range(400):
-                if app[STORE_KEY].ready_count() == 1:
-                    break
-                await asyncio.sleep(0.025)
-            assert app[STORE_KEY].ready_count() == 1
-            async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
-                yield Running(app, client, tiny_model_dir.name, Tokenizer.load(tiny_model_dir))
-        finally:
-            stop.set()
-            await server
+        async with (
+            running(config, app=app, ready_engines=1) as base_url,
+            AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client,
+        ):
+            yield Running(app, client, tiny_model_dir.name, Tokenizer.load(tiny_model_dir))
 
 
 async def test_models_lists_the_served_directory(gw: Running) -> None:
