@@ -50,11 +50,17 @@ async def one(session: aiohttp.ClientSession, url: str, payload: dict[str, objec
             t = time.perf_counter() - start
             return resp.status, t, t
         ttft = None
+        failed = False
         async for line in resp.content:
-            if ttft is None and line.startswith(b"data: ") and b'"content"' in line:
+            if not line.startswith(b"data: {"):
+                continue
+            if line.startswith(b'data: {"error"'):
+                failed = True
+            elif ttft is None and b'"content":""' not in line and b'"content"' in line:
                 ttft = time.perf_counter() - start
         end = time.perf_counter() - start
-        return 200, ttft if ttft is not None else end, end
+        # A stream that ended with an error event is not an admitted request served: status 599 here.
+        return (599 if failed else 200), ttft if ttft is not None else end, end
 
 
 async def capacity(url: str, model: str, seats: int, tokens: int, seconds: float) -> float:
@@ -103,7 +109,8 @@ def summary(rows: list[tuple[int, float, float]], slo_s: float) -> dict[str, obj
         "arrivals": len(rows),
         "admitted": len(admitted),
         "rejected_503": len(rejected),
-        "other_status": len(rows) - len(admitted) - len(rejected),
+        "stream_errors": sum(1 for r in rows if r[0] == 599),
+        "other_status": sum(1 for r in rows if r[0] not in (200, 503, 599)),
         "admitted_meeting_slo": met / len(admitted) if admitted else None,
         "attainment_over_arrivals": met / len(rows) if rows else None,
         "ttft_p50_s": float(np.percentile(ttft, 50)),
@@ -118,6 +125,8 @@ def main() -> int:
     ap.add_argument("--agents", type=int, default=2)
     ap.add_argument("--profile", default="h100-llama3-8b")
     ap.add_argument("--seats", type=int, default=64, help="closed-loop clients per agent, capacity probe")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="each agent's batch slots; small enough that this machine's client can offer 2x")
     ap.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     ap.add_argument("--capacity-s", type=float, default=15.0)
     ap.add_argument("--load", type=float, default=2.0, help="offered load, x the measured capacity")
@@ -133,7 +142,8 @@ def main() -> int:
             port = free_port()
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "engine_agent", "--backend", "sim", "--profile", args.profile,
-                 "--port", str(port), "--engine-id", f"ov-{i}", "--seed", str(i)],
+                 "--port", str(port), "--engine-id", f"ov-{i}", "--seed", str(i),
+                 "--sim-max-num-seqs", str(args.max_num_seqs)],
                 cwd=REPO, stderr=subprocess.DEVNULL))
             targets.append(f"127.0.0.1:{port}")
         model = None

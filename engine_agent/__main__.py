@@ -78,6 +78,12 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     sim = parser.add_argument_group("sim backend")
     sim.add_argument("--sim-kv-transfer-gbps", type=float, default=defaults.sim_kv_transfer_gbps)
     sim.add_argument("--sim-kv-transfer-latency-s", type=float, default=defaults.sim_kv_transfer_latency_s)
+    sim.add_argument(
+        "--sim-max-num-seqs",
+        type=int,
+        default=None,
+        help="the simulated engine's batch sequence cap (default: the profile's)",
+    )
     v = parser.add_argument_group("vllm backend")
     vd = defaults.vllm
     v.add_argument("--max-model-len", type=int, default=vd.max_model_len)
@@ -157,6 +163,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         lens_planning=args.lens,
         sim_kv_transfer_gbps=args.sim_kv_transfer_gbps,
         sim_kv_transfer_latency_s=args.sim_kv_transfer_latency_s,
+        sim_max_num_seqs=args.sim_max_num_seqs,
         host=args.host,
         port=args.port,
         engine_id=args.engine_id or f"{args.backend}-{args.port}",

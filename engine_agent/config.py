@@ -106,6 +106,8 @@ class AgentConfig(BaseModel):
     # Sim backend: modelled KV transfer for migration (bytes / bandwidth + a fixed latency).
     sim_kv_transfer_gbps: float = Field(default=25.0, gt=0.0)  # GB/s, e.g. one 200 Gb/s NIC
     sim_kv_transfer_latency_s: float = Field(default=0.002, ge=0.0)
+    # Sim backend: the batch's sequence cap; None = the profile's (256).
+    sim_max_num_seqs: int | None = Field(default=None, ge=1)
     link: LinkSecurityConfig = Field(default_factory=LinkSecurityConfig)  # open by default
 
     @property

@@ -148,15 +148,16 @@ def finished_event(
 
 
 def engine_state(
-    stats: EngineStats, *, identity: pb.EngineIdentity, seq: int, draining: bool
+    stats: EngineStats, *, identity: pb.EngineIdentity, seq: int, draining: bool, started: bool
 ) -> pb.EngineState:
-    """The WatchState push: the backend's stats, `seq`, and the service's own draining flag on top."""
+    """The WatchState push: the backend's stats, `seq`, and the service's own flags on top (ready only once
+    the backend has started, and not while draining)."""
     lens = stats.lens
     return pb.EngineState(
         identity=identity,
         seq=seq,
         timestamp_s=stats.timestamp_s,
-        ready=stats.ready and not draining,
+        ready=stats.ready and started and not draining,
         draining=draining or stats.draining,
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,

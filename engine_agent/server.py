@@ -15,6 +15,7 @@ protobuf (that is `engine_agent.service`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -88,8 +89,11 @@ def build_backend(config: AgentConfig, tokenizer: Tokenizer, clock: Clock) -> En
             hidden_state_interval=config.hidden_state_interval,
             lens_planning=config.lens_planning,
         )
+    profile = get_profile(config.profile)
+    if config.sim_max_num_seqs is not None:
+        profile = dataclasses.replace(profile, max_num_seqs=config.sim_max_num_seqs)
     return SimBackend(
-        get_profile(config.profile),
+        profile,
         clock=clock,
         engine_id=config.engine_id,
         vocab_size=tokenizer.vocab_size,
@@ -197,6 +201,7 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
         started = clock.now()
         await backend.start()
         log.info("backend %s started in %.1fs", config.backend, clock.now() - started)
+        service.mark_started()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(

@@ -117,6 +117,9 @@ class AgentService(pb_grpc.EngineAgentServicer):
         self._state_interval_s = state_interval_s
         self._seq = itertools.count(1)
         self._draining = False
+        # False until the server has started the backend: the gRPC server listens first (so health checks
+        # answer NOT_SERVING), and a call that arrives in between is refused as retryable, not failed.
+        self._started = False
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -139,6 +142,10 @@ class AgentService(pb_grpc.EngineAgentServicer):
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def mark_started(self) -> None:
+        """The backend runs: report ready and accept Generate / MigrateIn."""
+        self._started = True
 
     def start_draining(self) -> None:
         self._draining = True
@@ -172,6 +179,10 @@ class AgentService(pb_grpc.EngineAgentServicer):
         if self._draining:
             raise StreamRefused(
                 grpc.StatusCode.UNAVAILABLE, "engine agent is draining; send the request elsewhere"
+            )
+        if not self._started:
+            raise StreamRefused(
+                grpc.StatusCode.UNAVAILABLE, "engine agent is starting; send the request elsewhere"
             )
         try:
             backend_request = to_backend_request(
@@ -213,9 +224,10 @@ class AgentService(pb_grpc.EngineAgentServicer):
         self, request: pb.MigrateInRequest, context: grpc.aio.ServicerContext
     ) -> None:
         migrator = await self._migrator(context)
-        if self._draining:
+        if self._draining or not self._started:
+            what = "draining" if self._draining else "starting"
             await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "engine agent is draining; resume the request elsewhere"
+                grpc.StatusCode.UNAVAILABLE, f"engine agent is {what}; resume the request elsewhere"
             )
         try:
             ticket = ticket_from_proto(request.ticket)
@@ -289,7 +301,11 @@ class AgentService(pb_grpc.EngineAgentServicer):
         version = await backend.wait_for_change(-1, 0.0)
         while True:
             yield engine_state(
-                backend.stats(), identity=self._identity, seq=next(self._seq), draining=self._draining
+                backend.stats(),
+                identity=self._identity,
+                seq=next(self._seq),
+                draining=self._draining,
+                started=self._started,
             )
             deadline = self._clock.now() + interval_s
             while (remaining := deadline - self._clock.now()) > 0:

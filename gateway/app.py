@@ -124,7 +124,13 @@ def build_app(
     )
     a = config.admission
     admission = AdmissionGate(
-        AdmissionParams(a.max_queue, a.default_engine_slots, a.rate_window_s),
+        AdmissionParams(
+            max_queue=a.max_queue,
+            default_engine_slots=a.default_engine_slots,
+            rate_window_s=a.rate_window_s,
+            slo_quantile=a.slo_quantile,
+            calibration_samples=a.calibration_samples,
+        ),
         store.snapshot,
         clock,
         metrics,

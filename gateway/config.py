@@ -140,6 +140,10 @@ class AdmissionConfig(_Frozen):
     max_queue: int = Field(1024, ge=0)  # per model
     default_engine_slots: int = Field(256, ge=1)  # concurrent requests of an engine that does not say
     rate_window_s: float = Field(10.0, gt=0)  # completions counted for the queue-wait estimate
+    # The queue-wait estimate is scaled by this quantile of recent actual/predicted waits (split-conformal):
+    # the share of admitted requests that should wait no longer than predicted.
+    slo_quantile: float = Field(0.99, gt=0, le=1)
+    calibration_samples: int = Field(512, ge=1)
 
 
 class GatewayConfig(_Frozen):

@@ -121,7 +121,7 @@ class AdmissionGate:
         if not queue.queued:
             return
         capacity = fleet_slots(self._snapshot(), model, self.params)
-        for ticket in queue.pump(capacity):
+        for ticket in queue.pump(capacity, self._clock.now()):
             permit = self._wakers.get(id(ticket))
             if permit is not None and permit.waker is not None and not permit.waker.done():
                 permit.waker.set_result(None)

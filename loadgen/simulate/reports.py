@@ -66,19 +66,40 @@ def report_from_stats(
     """
     if timestamp_s is not None:
         stats = replace(stats, timestamp_s=timestamp_s)
-    pb_identity = pb.EngineIdentity(engine_id=identity.engine_id, model=identity.model,
-                                    profile=identity.profile, backend=identity.backend, role=identity.role)
-    return from_engine_state(engine_state(stats, identity=pb_identity, seq=seq, draining=draining))
+    pb_identity = pb.EngineIdentity(
+        engine_id=identity.engine_id,
+        model=identity.model,
+        profile=identity.profile,
+        backend=identity.backend,
+        role=identity.role,
+    )
+    return from_engine_state(
+        engine_state(stats, identity=pb_identity, seq=seq, draining=draining, started=True)
+    )
 
 
 class ReportFeed:
     """One engine's WatchState stream, as received by the gateway `delay_s` after each send."""
 
-    __slots__ = ("_engine", "identity", "_interval_s", "_delay_s", "_seq", "_anchor_s", "_ticks",
-                 "next_due_s", "_pending", "gate", "_stats", "_stats_version", "_translated")
+    __slots__ = (
+        "_engine",
+        "identity",
+        "_interval_s",
+        "_delay_s",
+        "_seq",
+        "_anchor_s",
+        "_ticks",
+        "next_due_s",
+        "_pending",
+        "gate",
+        "_stats",
+        "_stats_version",
+        "_translated",
+    )
 
-    def __init__(self, engine: SimEngine, identity: EngineDescription, *, interval_s: float,
-                 delay_s: float) -> None:
+    def __init__(
+        self, engine: SimEngine, identity: EngineDescription, *, interval_s: float, delay_s: float
+    ) -> None:
         self._engine = engine
         self.identity = identity
         self._interval_s = interval_s

@@ -122,6 +122,7 @@ async def serve_backend() -> AsyncIterator[object]:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         await backend.start()
+        service.mark_started()
         servers.append(server)
         backends.append(backend)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

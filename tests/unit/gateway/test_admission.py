@@ -30,9 +30,9 @@ def test_requests_go_through_while_slots_are_free_then_queue_in_priority_order()
     urgent = Ticket(-5, 0.2)
     assert q.arrive(urgent, 0.2, 1, None, None).outcome == "queued"
     q.leave(first, 1.0)
-    assert q.pump(1) == [urgent]  # lower value first, as vLLM's priorities
+    assert q.pump(1, 1.0) == [urgent]  # lower value first, as vLLM's priorities
     q.leave(urgent, 2.0)
-    assert q.pump(1) == [second] and q.queued == 0
+    assert q.pump(1, 2.0) == [second] and q.queued == 0
 
 
 def test_a_full_queue_sheds_the_newcomer_unless_it_outranks_a_queued_request() -> None:
@@ -122,3 +122,32 @@ async def test_a_queued_request_goes_when_a_slot_frees() -> None:
         metrics = await (await client.get("/metrics")).text()
     assert [r.status for r in answers] == [200] * 5
     assert 'switchyard_admission_total{model="m",outcome="admitted"}' in metrics
+
+
+def test_the_queue_wait_estimate_is_scaled_by_the_observed_quantile_of_actual_over_predicted() -> None:
+    params = AdmissionParams(max_queue=100, rate_window_s=10.0, slo_quantile=0.9, min_calibration_samples=10)
+    q = ModelQueue(params)
+    assert q.wait_factor() == 1.0
+    running = [Ticket(0, 0.0) for _ in range(11)]
+    for t in running:
+        q.arrive(t, 0.0, 11, None, None)
+    for i, t in enumerate(running[:10]):  # 10 completions in the window: 1 per second
+        q.leave(t, 0.5 + i * 0.1)
+    # One slot (held by the 11th), so each newcomer queues; predicted waits 1, 2, ... s (nobody leaves).
+    now = 2.0
+    waiters = [Ticket(0, now) for _ in range(10)]
+    for k, t in enumerate(waiters):
+        arrival = q.arrive(t, now, 1, None, None)
+        assert arrival.outcome == "queued" and arrival.predicted_ttft_s == pytest.approx(k + 1.0)
+    # They all go at once, 3 s later: actual/predicted = 3/1, 3/2, ..., 3/10.
+    q.leave(running[10], now + 3.0)
+    assert q.pump(20, now + 3.0) == waiters
+    ratios = sorted(3.0 / (k + 1) for k in range(10))
+    assert q.wait_factor() == pytest.approx(ratios[8])  # the 0.9 quantile of 10: the 9th smallest
+    # The next estimate is scaled: the queue is empty but the slots (1) are full again.
+    for t in waiters[:1]:
+        q.leave(t, now + 3.0)
+    q.arrive(Ticket(0, 5.0), 5.0, 1, None, None)
+    scaled = q.arrive(Ticket(0, 5.0), 5.0, 1, 0.25, 100.0)
+    rate = q.completion_rate(5.0)
+    assert scaled.predicted_ttft_s == pytest.approx(2 / rate * ratios[8] + 0.25)
