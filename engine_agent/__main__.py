@@ -73,6 +73,27 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
         help="decode steps between hidden-state taps (0 = off)",
     )
     parser.add_argument(
+        "--record-hidden-states",
+        metavar="DIR",
+        default=None,
+        help="write the tap's samples, labelled with each completed request's remaining length, as .npz "
+        "shards into DIR (STAR's predictor training data; `switchyard predictor train`)",
+    )
+    parser.add_argument(
+        "--length-predictor",
+        metavar="FILE|oracle",
+        default=None,
+        help="STAR: predict each running request's remaining length from the tap with this predictor file "
+        "(`switchyard predictor train`), or `oracle` (sim only: the exact lengths), and send the predictions "
+        "and the engine's future load every tap (for the gateway's --reschedule star)",
+    )
+    parser.add_argument(
+        "--star-report",
+        action="store_true",
+        help="STAR without a predictor: send each running request's current length every k engine iterations "
+        "(for the gateway's --reschedule star-nopred; implied by --length-predictor)",
+    )
+    parser.add_argument(
         "--lens", action="store_true", help="LENS plans each iteration's token budget (Algorithm 1)"
     )
     sim = parser.add_argument_group("sim backend")
@@ -160,6 +181,9 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             nixl_progress_thread=args.nixl_progress_thread,
         ),
         hidden_state_interval=args.hidden_state_interval or None,  # the flag's 0 = off
+        record_hidden_states=args.record_hidden_states,
+        length_predictor=args.length_predictor,
+        star_report=args.star_report,
         lens_planning=args.lens,
         sim_kv_transfer_gbps=args.sim_kv_transfer_gbps,
         sim_kv_transfer_latency_s=args.sim_kv_transfer_latency_s,

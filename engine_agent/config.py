@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+ORACLE = "oracle"  # `length_predictor`: the sim engine's exact remaining lengths instead of a predictor file
+
 
 class LinkSecurityConfig(BaseModel):
     """Who may call this agent (the gateway <-> agent link; docs/security.md): paths of PEM files and of a
@@ -103,12 +105,48 @@ class AgentConfig(BaseModel):
     lens_planning: bool = False
     # Hidden-state tap (STAR §5.3): every this many decode steps; None = off.
     hidden_state_interval: int | None = Field(default=20, ge=1)
+    # STAR §4.4: record the tap's samples, labelled with each request's remaining length, as shards in this
+    # directory (`engine_agent.star.recorder`); None = off. Needs the tap (`hidden_state_interval`).
+    record_hidden_states: str | None = Field(default=None, min_length=1)
+    # STAR §4-5 in the agent (`engine_agent.star.live`): predict each running request's remaining length from
+    # the tap with this predictor file (`switchyard predictor train`), or "oracle" (sim only: the simulated
+    # engine's decided lengths), and send each round's predictions and H-round future load; None = off.
+    length_predictor: str | None = Field(default=None, min_length=1)
+    # Without a predictor: still send, every k engine iterations, each running request's current length N(r)
+    # (and the current load held over the horizon), for the gateway's `--reschedule star-nopred`.
+    star_report: bool = False
     # Sim backend: modelled KV transfer for migration (bytes / bandwidth + a fixed latency).
     sim_kv_transfer_gbps: float = Field(default=25.0, gt=0.0)  # GB/s, e.g. one 200 Gb/s NIC
     sim_kv_transfer_latency_s: float = Field(default=0.002, ge=0.0)
     # Sim backend: the batch's sequence cap; None = the profile's (256).
     sim_max_num_seqs: int | None = Field(default=None, ge=1)
     link: LinkSecurityConfig = Field(default_factory=LinkSecurityConfig)  # open by default
+
+    @model_validator(mode="after")
+    def _recording_needs_the_tap(self) -> AgentConfig:
+        if self.record_hidden_states is not None and self.hidden_state_interval is None:
+            raise ValueError(
+                "--record-hidden-states needs the hidden-state tap (--hidden-state-interval > 0)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _predictor_needs_the_tap(self) -> AgentConfig:
+        if self.length_predictor is None:
+            return self
+        if self.hidden_state_interval is None:
+            raise ValueError("--length-predictor needs the hidden-state tap (--hidden-state-interval > 0)")
+        if self.length_predictor == ORACLE and self.backend != "sim":
+            raise ValueError(
+                "--length-predictor oracle needs the sim backend (it reads the simulated engine's decided "
+                "output lengths); give a predictor file (switchyard predictor train) for vllm"
+            )
+        return self
+
+    @property
+    def star_rounds(self) -> bool:
+        """Whether the agent sends STAR rounds (predicted with `length_predictor`, else current lengths)."""
+        return self.length_predictor is not None or self.star_report
 
     @property
     def bind_address(self) -> str:

@@ -176,6 +176,7 @@ class EngineStatic:
     tensor_parallel: int = 1
     hidden_size: int = 0  # width of the hidden-state tap's vectors
     hidden_state_interval: int | None = None  # the tap fires every this many decode steps; None = off
+    kv_bytes_per_token: int = 0  # KV bytes one token holds (all layers, whole TP group); 0 = unknown
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Owns: a `GenerateRequest` into a `BackendRequest` (tokenizing the prompt: ids, text or chat template, and
 validating it and the output budget against the context limit: `ValueError` with the client-facing message),
-the stream's `delta` / `finished` events, the `EngineState` pushed by WatchState, GetInfo's `EngineInfo`,
+the stream's `delta` / `finished` events, the `EngineState` pushed by WatchState (with a STAR round's
+predictions and future load when the service passes one), GetInfo's `EngineInfo`,
 the wire's "0 = not given" fields into None and back (target output tokens, SLOs, the WatchState interval,
 the hidden-state interval, the ticket's cut time) and milliseconds into seconds, and the wire ticket
 (`ticket_to_proto`: the domain ticket plus the original request, no prompt; `ticket_from_proto`:
@@ -23,6 +24,7 @@ from engine_agent.domain import (
     RequestId,
     SamplingSpec,
 )
+from engine_agent.star.live import StarRound
 from engine_agent.tokenization import Tokenizer
 from switchyard.proto_gen import engine_agent_pb2 as pb
 
@@ -148,12 +150,19 @@ def finished_event(
 
 
 def engine_state(
-    stats: EngineStats, *, identity: pb.EngineIdentity, seq: int, draining: bool, started: bool
+    stats: EngineStats,
+    *,
+    identity: pb.EngineIdentity,
+    seq: int,
+    draining: bool,
+    started: bool,
+    star: StarRound | None = None,
 ) -> pb.EngineState:
     """The WatchState push: the backend's stats, `seq`, and the service's own flags on top (ready only once
-    the backend has started, and not while draining)."""
+    the backend has started, and not while draining); with `star` (a push that follows a new STAR round), the
+    round's `predictions` and `future_load` (otherwise both stay empty / unset)."""
     lens = stats.lens
-    return pb.EngineState(
+    state = pb.EngineState(
         identity=identity,
         seq=seq,
         timestamp_s=stats.timestamp_s,
@@ -178,6 +187,21 @@ def engine_state(
             slo_risk=lens.slo_risk,
         ),
     )
+    if star is not None:
+        add = state.predictions.add  # in place: half the time of building messages and extending (~130 us
+        for p in star.predictions:  # for 256 requests)
+            add(
+                request_id=p.request_id,
+                generated_tokens=p.generated_tokens,
+                predicted_remaining_tokens=p.predicted_remaining_tokens,
+                current_tokens=p.current_tokens,
+                migratable=p.migratable,
+            )
+        future = state.future_load
+        future.round = star.round
+        future.tokens_per_round = star.round_tokens
+        future.load.extend(star.future_load)
+    return state
 
 
 def engine_info(
@@ -198,6 +222,7 @@ def engine_info(
         eos_token_id=eos_token_id,
         hidden_size=static.hidden_size,
         hidden_state_interval=static.hidden_state_interval or 0,
+        kv_bytes_per_token=static.kv_bytes_per_token,
     )
 
 

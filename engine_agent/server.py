@@ -5,8 +5,13 @@ TLS or mutual TLS on the port, the bearer-token interceptor; its files are read 
 loads, and its mode is logged), deciding the backend's optional capabilities once (`backend_capabilities`:
 what it implements less what the configuration switched off, e.g. `--no-migration`), binding (with a clear
 error when the port is taken), the health status (NOT_SERVING until the backend runs and again while
-draining), and the shutdown order: on SIGTERM/SIGINT stop accepting Generate, let in-flight streams finish
-within the grace, stop the server, stop the backend.
+draining), the hidden-state recorder of `--record-hidden-states` (`engine_agent.star.recorder`: its directory
+checked at start, its task born after the backend starts, cancelled and awaited after the backend stops, then
+its last shard written), STAR's rounds of `--length-predictor` / `--star-report` (`engine_agent.star.live`:
+the predictor file loaded and checked against the engine's hidden size at start, the oracle only on a backend
+that offers `OutputTargets`; its task born after the backend starts, cancelled and awaited after it stops;
+told of every stream's end), and the shutdown order: on SIGTERM/SIGINT stop accepting Generate, let in-flight
+streams finish within the grace, stop the server, stop the backend, close the recorder.
 Must not: parse command lines or install an event loop policy (that is `engine_agent.__main__`), or translate
 protobuf (that is `engine_agent.service`).
 
@@ -15,24 +20,41 @@ protobuf (that is `engine_agent.service`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
 import socket
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine_agent.backends.base import MIGRATION, Capabilities, EngineBackend
+from engine_agent.backends.base import (
+    HIDDEN_STATES,
+    MIGRATION,
+    Capabilities,
+    EngineBackend,
+    HiddenStateSource,
+)
 from engine_agent.backends.sim import SimBackend
-from engine_agent.config import AgentConfig
+from engine_agent.config import ORACLE, AgentConfig
 from engine_agent.link_security import LinkSecurity, LinkSecurityError, load_link_security
-from engine_agent.service import AgentService
+from engine_agent.service import AgentService, StreamEnd
 from engine_agent.sim.profiles import get_profile
+from engine_agent.star.live import MlpPredictor, OraclePredictor, OutputTargets, SamplePredictor, StarLive
+from engine_agent.star.predictor import LengthPredictor, PredictorFileError
+from engine_agent.star.recorder import HiddenStateRecorder
+from engine_agent.star.shards import ShardWriter
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock, MonotonicClock
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
+from switchyard.star_load import DEFAULT_ROUND_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +139,119 @@ def backend_capabilities(config: AgentConfig, backend: EngineBackend) -> Capabil
     return Capabilities.of(backend, switched_off=switched_off)
 
 
+async def open_recorder(
+    config: AgentConfig, backend: EngineBackend, capabilities: Capabilities
+) -> tuple[HiddenStateRecorder, HiddenStateSource] | None:
+    """`--record-hidden-states DIR`: the recorder and the tap it reads (None when not asked); the directory is
+    created now, so a bad path fails start-up at once."""
+    if config.record_hidden_states is None:
+        return None
+    source = capabilities.hidden_state_source
+    if source is None:
+        raise AgentStartupError(f"--record-hidden-states needs the hidden-state tap: "
+                                f"{capabilities.missing(HIDDEN_STATES)}")
+    static = backend.static
+    prefix = f"{static.engine_id}-{uuid.uuid4().hex[:8]}"  # several agents (and runs) may share the directory
+    try:
+        writer = await asyncio.to_thread(_shard_writer, config.record_hidden_states, static.model,
+                                         static.hidden_size, prefix)
+    except OSError as exc:
+        raise AgentStartupError(f"--record-hidden-states {config.record_hidden_states}: {exc}") from exc
+    log.info("recording hidden states (every %s decode steps) to %s", static.hidden_state_interval,
+             writer.directory)
+    return HiddenStateRecorder(writer), source
+
+
+@dataclass(frozen=True, slots=True)
+class StarSetup:
+    """STAR's rounds as `open_star` set them up: the loop, the tap it predicts (None: iteration rounds)."""
+
+    live: StarLive
+    source: HiddenStateSource | None
+    mlp: MlpPredictor | None
+
+    def check_hidden_size(self, backend: EngineBackend) -> None:
+        """After the backend started (vLLM knows its hidden size only then): the predictor must fit it."""
+        if self.mlp is not None and self.mlp.hidden_size != backend.static.hidden_size:
+            raise AgentStartupError(
+                f"--length-predictor: the predictor reads hidden states of size {self.mlp.hidden_size}, but "
+                f"this engine's are of size {backend.static.hidden_size}"
+            )
+
+    def run(
+        self, backend: EngineBackend, service: AgentService, poll_s: float
+    ) -> Coroutine[Any, Any, None]:
+        """The coroutine of the task that clocks the rounds."""
+        if self.source is not None:
+            return self.live.run_tap(self.source.hidden_states(), service.running_requests)
+        return self.live.run_iterations(backend, service.running_requests, poll_s)
+
+
+async def open_star(
+    config: AgentConfig, backend: EngineBackend, capabilities: Capabilities
+) -> StarSetup | None:
+    """`--length-predictor` / `--star-report`: STAR's rounds (None when neither is given). A predictor file is
+    loaded now, so a bad file or one for another hidden size fails start-up at once."""
+    if not config.star_rounds:
+        return None
+    static = backend.static
+    k = static.hidden_state_interval or DEFAULT_ROUND_TOKENS
+    if config.length_predictor is None:
+        log.info("STAR rounds: current lengths every %d engine iterations (no predictor)", k)
+        return StarSetup(StarLive(round_tokens=k), None, None)
+    source = capabilities.hidden_state_source
+    if source is None:
+        raise AgentStartupError(
+            f"--length-predictor needs the hidden-state tap: {capabilities.missing(HIDDEN_STATES)}"
+        )
+    predictor: SamplePredictor
+    mlp: MlpPredictor | None = None
+    if config.length_predictor == ORACLE:
+        if not isinstance(backend, OutputTargets):
+            raise AgentStartupError(f"--length-predictor oracle needs the sim backend, not {static.backend}")
+        predictor = OraclePredictor(backend)
+    else:
+        try:
+            loaded = await asyncio.to_thread(_load_predictor, config.length_predictor, static.hidden_size)
+        except PredictorFileError as exc:
+            raise AgentStartupError(f"--length-predictor {exc}") from exc
+        predictor = mlp = MlpPredictor(loaded)
+    log.info("STAR rounds: %s predictions every %d decode steps (the tap)",
+             "oracle" if mlp is None else f"MLP ({config.length_predictor})", k)
+    return StarSetup(StarLive(round_tokens=k, predictor=predictor), source, mlp)
+
+
+def _load_predictor(path: str, hidden_size: int) -> LengthPredictor:
+    """The predictor file, checked against the engine's hidden size when known (0: vLLM before start)."""
+    return LengthPredictor.load(Path(path).expanduser(), expected_hidden_size=hidden_size or None)
+
+
+def _stream_end_hook(
+    recording: tuple[HiddenStateRecorder, HiddenStateSource] | None, star: StarSetup | None
+) -> Callable[[StreamEnd], None] | None:
+    """The service's `on_stream_end`: the recorder labels, STAR forgets the request."""
+    hooks: list[Callable[[StreamEnd], None]] = []
+    if recording is not None:
+        hooks.append(recording[0].on_stream_end)
+    if star is not None:
+        live = star.live
+        hooks.append(lambda end: live.forget(end.request_id))
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+
+    def both(end: StreamEnd) -> None:
+        for hook in hooks:
+            hook(end)
+
+    return both
+
+
+def _shard_writer(directory: str, model: str, hidden_size: int, prefix: str) -> ShardWriter:
+    writer = ShardWriter(Path(directory).expanduser(), model=model, hidden_size=hidden_size, prefix=prefix)
+    writer.prepare()
+    return writer
+
+
 def nixl_side_channel_port(config: AgentConfig) -> int:
     """The port NIXL's side channel listens on: `--nixl-port`, else the agent's port + 1000."""
     return config.vllm.nixl_side_channel_port or config.port + 1000
@@ -170,8 +305,16 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
     if config.backend == "vllm" and capabilities.migrator is not None:
         host, port = config.vllm.nixl_side_channel_host, nixl_side_channel_port(config)
         check_port_free(host, port, "the NIXL side channel", "--nixl-port")
+    recording = await open_recorder(config, backend, capabilities)
+    star = await open_star(config, backend, capabilities)
     service = AgentService(
-        backend, tokenizer, clock=clock, state_interval_s=config.state_interval_s, capabilities=capabilities
+        backend,
+        tokenizer,
+        clock=clock,
+        state_interval_s=config.state_interval_s,
+        capabilities=capabilities,
+        on_stream_end=_stream_end_hook(recording, star),
+        star=None if star is None else star.live,
     )
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
@@ -196,11 +339,24 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    recorder_task: asyncio.Task[None] | None = None
+    star_task: asyncio.Task[None] | None = None
     try:
         await server.start()
         started = clock.now()
         await backend.start()
         log.info("backend %s started in %.1fs", config.backend, clock.now() - started)
+        if star is not None:
+            star.check_hidden_size(backend)
+        if recording is not None:
+            recorder, source = recording
+            recorder_task = asyncio.create_task(
+                recorder.run(source.hidden_states()), name="hidden-state-recorder"
+            )
+        if star is not None:
+            star_task = asyncio.create_task(
+                star.run(backend, service, config.state_interval_s), name="star-rounds"
+            )
         service.mark_started()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -227,5 +383,12 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
             loop.remove_signal_handler(sig)
         await server.stop(None)
         await backend.stop()
+        for task in (recorder_task, star_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if recording is not None:
+            await recording[0].aclose()
     log.info("engine agent %s stopped", config.engine_id)
     return 0

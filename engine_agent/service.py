@@ -4,10 +4,13 @@ Owns: the RPC flow: Generate (validate, admit, stream) and Session (the same str
 `engine_agent.session`), streaming deltas with the stream's text
 (`engine_agent.output_text`: incremental detokenization, stop-string / stop-token-id semantics, the text's
 hand-over at a migration) and ending the stream at a stop string, usage counted from what was streamed, the
-WatchState push (interval and prompt on change, `seq` increasing across the process), GetInfo, Abort,
+WatchState push (interval and prompt on change, `seq` increasing across the process; STAR's round, from
+`engine_agent.star.live`, in each watcher's first push after the round, pushed at once), GetInfo, Abort,
 MigrateOut / MigrateIn (the original request of each in-flight stream for the ticket, waiting for the source
 stream to end at the cut; UNIMPLEMENTED, naming the capability, when the backend's `Capabilities` lack
-migration), and refusing new Generate / MigrateIn calls while draining.
+migration), refusing new Generate / MigrateIn calls while draining, and telling the `on_stream_end` hook how
+each stream ended (`StreamEnd`: the STAR recorder labels its hidden states with it), and what STAR's rounds
+read of each stream (`running_requests`: prompt and output counts, whether it may be cut now).
 Must not: schedule, batch or time tokens (the backend does), translate between proto and domain types itself
 (`engine_agent.proto_codec` does: requests, events, state, tickets), own the server, health or signals
 (`engine_agent.server` does), or read time other than through the injected `Clock`.
@@ -19,7 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -47,6 +50,7 @@ from engine_agent.proto_codec import (
     watch_interval_s,
 )
 from engine_agent.session import AgentSession, StreamRefused
+from engine_agent.star.live import RunningRequest, StarLive
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock
 from switchyard.proto_gen import engine_agent_pb2 as pb
@@ -59,20 +63,48 @@ log = logging.getLogger(__name__)
 _CUT_SETTLE_TIMEOUT_S = 5.0
 
 
-class _InFlight:
-    """What the service keeps per running stream: the request as the client sent it, how the stream ended."""
+# Finish reasons of a request that completed (its output length is final); "abort" and "error" did not.
+_COMPLETED = ("stop", "length")
 
-    __slots__ = ("request", "outcome", "ticket")
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How one request's stream on this engine ended: what the `on_stream_end` hook is told."""
+
+    request_id: RequestId
+    prompt_tokens: int
+    # The request's final output length (a migrated-in request's earlier tokens included) when it completed
+    # here ("stop" or "length"); None when it did not: aborted, cancelled, failed or migrated away.
+    output_tokens: int | None
+
+
+class _InFlight:
+    """What the service keeps per running stream: the request as the client sent it, how the stream ended,
+    and what STAR's rounds read of it (`engine_agent.star.live.RunningRequest`)."""
+
+    __slots__ = ("request", "outcome", "ticket", "completed_tokens", "prompt_tokens", "prior_tokens",
+                 "output_tokens", "cutting")
 
     def __init__(self, request: pb.GenerateRequest) -> None:
         self.request = request  # the original request (for MigrateIn streams: the ticket's, under the new id)
         # "migrated", "finished" or "closed" (cancelled, or an error) once the stream has ended.
         self.outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.ticket: pb.MigrationTicket | None = None
+        self.completed_tokens: int | None = None  # the output length, once finished with "stop" or "length"
+        self.prompt_tokens = 0  # set when it starts serving
+        self.prior_tokens = 0  # output tokens produced on earlier engines (MigrateIn)
+        self.output_tokens = 0  # output tokens so far, the prior ones included
+        self.cutting = False  # MigrateOut is cutting it
 
-    def end(self, outcome: str) -> None:
+    @property
+    def migratable(self) -> bool:
+        """Decoding here (a migrated-in request once it produced a token here), not being cut, not ended."""
+        return self.output_tokens > self.prior_tokens and not self.cutting and not self.outcome.done()
+
+    def end(self, outcome: str, *, completed_tokens: int | None = None) -> None:
         if not self.outcome.done():
             self.outcome.set_result(outcome)
+            self.completed_tokens = completed_tokens
 
     def ticket_proto(self, ticket: MigrationTicket) -> pb.MigrationTicket:
         """The ticket as MigrateOut answers it and the `migrated` event carries it (built once)."""
@@ -96,7 +128,9 @@ class AgentService(pb_grpc.EngineAgentServicer):
     """Serves one backend; `start_draining` refuses new Generate calls, `wait_idle` awaits in-flight ones.
 
     `capabilities`: the backend's optional capabilities as the server decided them at start-up (default:
-    whatever the backend implements).
+    whatever the backend implements). `on_stream_end`, when given, is called once per admitted stream as it
+    ends (on the loop; it must not block or raise). `star`, when given, publishes STAR's rounds: each
+    WatchState watcher's first push after a new round carries it (`running_requests` is what they read).
     """
 
     def __init__(
@@ -107,6 +141,8 @@ class AgentService(pb_grpc.EngineAgentServicer):
         clock: Clock,
         state_interval_s: float,
         capabilities: Capabilities | None = None,
+        on_stream_end: Callable[[StreamEnd], None] | None = None,
+        star: StarLive | None = None,
     ) -> None:
         if state_interval_s <= 0:
             raise ValueError(f"state_interval_s must be > 0, got {state_interval_s}")
@@ -124,6 +160,8 @@ class AgentService(pb_grpc.EngineAgentServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._requests: dict[RequestId, _InFlight] = {}
+        self._on_stream_end = on_stream_end
+        self._star = star
         static = backend.static
         self._identity = pb.EngineIdentity(
             engine_id=static.engine_id,
@@ -149,6 +187,10 @@ class AgentService(pb_grpc.EngineAgentServicer):
 
     def start_draining(self) -> None:
         self._draining = True
+
+    def running_requests(self) -> Mapping[RequestId, RunningRequest]:
+        """The streams in flight by request id, read-only (STAR's rounds read them on the loop)."""
+        return self._requests
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when no Generate call is in flight (within the timeout)."""
@@ -205,9 +247,11 @@ class AgentService(pb_grpc.EngineAgentServicer):
         record = self._requests.get(rid)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not running on this engine")
+        record.cutting = True  # not offered to the rescheduler again while the cut runs
         try:
             ticket = await migrator.migrate_out(rid, request.target)
         except MigrationRefused as exc:
+            record.cutting = False
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         outcome = "migrated"
         with contextlib.suppress(TimeoutError):
@@ -272,6 +316,8 @@ class AgentService(pb_grpc.EngineAgentServicer):
         `StreamRefused` when the backend refuses the request at admission."""
         record, breq = opened.record, opened.backend_request
         rid = breq.request_id
+        record.prompt_tokens = len(breq.prompt_token_ids)
+        record.prior_tokens = record.output_tokens = len(opened.prior)
         self._requests[rid] = record
         self._in_flight += 1
         self._idle.clear()
@@ -286,6 +332,8 @@ class AgentService(pb_grpc.EngineAgentServicer):
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+            if self._on_stream_end is not None:
+                self._on_stream_end(StreamEnd(rid, len(breq.prompt_token_ids), record.completed_tokens))
 
     async def Abort(  # noqa: N802 - gRPC method name
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -298,21 +346,53 @@ class AgentService(pb_grpc.EngineAgentServicer):
     ) -> AsyncIterator[pb.EngineState]:
         interval_s = watch_interval_s(request) or self._state_interval_s
         backend = self._backend
+        star = self._star
+        sent_round = 0  # the last STAR round this watcher was sent
         version = await backend.wait_for_change(-1, 0.0)
         while True:
+            latest = None if star is None else star.latest
+            if latest is not None and latest.round > sent_round:
+                sent_round = latest.round
+            else:
+                latest = None
             yield engine_state(
                 backend.stats(),
                 identity=self._identity,
                 seq=next(self._seq),
                 draining=self._draining,
                 started=self._started,
+                star=latest,
             )
             deadline = self._clock.now() + interval_s
             while (remaining := deadline - self._clock.now()) > 0:
-                current = await backend.wait_for_change(version, remaining)
+                if star is None:
+                    current = await backend.wait_for_change(version, remaining)
+                else:
+                    current = await self._wait_change_or_round(star, version, remaining, sent_round)
+                    latest = star.latest
+                    if latest is not None and latest.round > sent_round:
+                        version = max(version, current)
+                        break
                 if current > version:
                     version = current
                     break
+
+    async def _wait_change_or_round(
+        self, star: StarLive, version: int, timeout_s: float, sent_round: int
+    ) -> int:
+        """`wait_for_change`, also returning when STAR publishes a round after `sent_round` (one more task per
+        wait than without STAR; the round's future is shared by every watcher)."""
+        latest = star.latest
+        if latest is not None and latest.round > sent_round:
+            return version
+        round_published = star.next_round()
+        change = asyncio.ensure_future(self._backend.wait_for_change(version, timeout_s))
+        try:
+            await asyncio.wait((change, round_published), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not change.done():
+                change.cancel()
+        return change.result() if change.done() and not change.cancelled() else version
 
     async def GetInfo(  # noqa: N802 - gRPC method name
         self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -344,7 +424,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
         first_token_s = admitted_s
         yield pb.GenerateEvent(admitted=pb.Admitted(prompt_tokens=prompt_tokens))
         if text.matched is not None:  # not for a ticket cut from a live stream: that would have stopped
-            record.end("finished")
+            record.end("finished", completed_tokens=emitted)
             yield finished_event(
                 "stop", prompt_tokens, emitted, 0, pb.EngineTimings(), stop_reason=text.matched
             )
@@ -362,11 +442,11 @@ class AgentService(pb_grpc.EngineAgentServicer):
                         yield pb.GenerateEvent(migrated=pb.Migrated(ticket=record.ticket_proto(event.ticket)))
                         return
                     if isinstance(event, FinishEvent):
-                        record.end("finished")
                         tail = text.finish()
+                        reason = "stop" if text.matched is not None else event.finish_reason
+                        record.end("finished", completed_tokens=emitted if reason in _COMPLETED else None)
                         if tail:
                             yield delta_event((), tail)
-                        reason = "stop" if text.matched is not None else event.finish_reason
                         yield finished_event(
                             reason,
                             prompt_tokens,
@@ -387,6 +467,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
                     if not text.stops_active:
                         piece = text.add(ids, emitted)
                         emitted += len(ids)
+                        record.output_tokens = emitted
                         yield delta_event(ids, piece)
                         continue
                     # Token by token, so a stop string ends the stream at the token that completed it.
@@ -394,8 +475,8 @@ class AgentService(pb_grpc.EngineAgentServicer):
                     for k in range(len(ids)):
                         pieces.append(text.add(ids[k : k + 1], emitted + k))
                         if text.matched is not None:
-                            record.end("finished")
                             emitted += k + 1
+                            record.end("finished", completed_tokens=emitted)
                             yield delta_event(ids[: k + 1], "".join(pieces))
                             now = self._clock.now()
                             yield finished_event(
@@ -410,6 +491,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
                             )
                             return
                     emitted += len(ids)
+                    record.output_tokens = emitted
                     yield delta_event(ids, "".join(pieces))
             except MigrationRefused as exc:  # a resume refused at admission (e.g. the id was taken meanwhile)
                 raise StreamRefused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc

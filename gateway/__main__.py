@@ -97,16 +97,34 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         metavar="N",
         help="worker processes serving the port (SO_REUSEPORT), each with its own event loop; default 1",
     )
+    p.add_argument(
+        "--reschedule",
+        choices=["none", "star", "star-nopred"],
+        help="move running requests between engines: STAR with length predictions, STAR on current load, "
+        "or none (default)",
+    )
+    p.add_argument(
+        "--reschedule-param",
+        action="append",
+        metavar="KEY=VALUE",
+        help="rescheduler parameter (e.g. theta=0.1, horizon=32); repeatable",
+    )
+    p.add_argument(
+        "--enable-admin",
+        action="store_true",
+        default=None,
+        help="serve /admin/* (POST /admin/migrate); with --api-keys only admin keys may call them",
+    )
     p.add_argument("--worker-spec", metavar="PATH", help=argparse.SUPPRESS)  # a supervisor's worker
     return p
 
 
-def _policy_params(items: Sequence[str]) -> dict[str, Any]:
+def _policy_params(items: Sequence[str], what: str = "policy.params") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"policy.params: expected KEY=VALUE, got {item!r}")
+            raise ConfigError(f"{what}: expected KEY=VALUE, got {item!r}")
         try:
             out[key] = json.loads(raw)
         except ValueError:
@@ -131,6 +149,7 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "workers",
         "engine_streams",
         "api_keys_file",
+        "enable_admin",
     )
     for name in simple:
         value = getattr(args, name)
@@ -147,6 +166,13 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         policy["params"] = _policy_params(args.policy_param)
     if policy:
         out["policy"] = policy
+    reschedule: dict[str, Any] = {}
+    if args.reschedule is not None:
+        reschedule["policy"] = args.reschedule
+    if args.reschedule_param:
+        reschedule["params"] = _policy_params(args.reschedule_param, what="reschedule.params")
+    if reschedule:
+        out["reschedule"] = reschedule
     slo = {k: v for k, v in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms)) if v is not None}
     if slo:
         out["slo"] = slo

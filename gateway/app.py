@@ -27,16 +27,18 @@ from aiohttp import web
 from gateway.admission.core import AdmissionParams
 from gateway.admission.gate import AdmissionGate
 from gateway.api.access import AccessGate
+from gateway.api.admin import AdminRoutes
 from gateway.api.handlers import ApiHandlers, openai_error_middleware
 from gateway.api.openai_format import WallClock
 from gateway.cluster.health import OutlierParams
 from gateway.cluster.store import ClusterStore
 from gateway.config import ConfigError, GatewayConfig, log_effective_config
 from gateway.dispatch.dispatcher import Dispatcher
+from gateway.dispatch.mover import MoveParams, Mover, Proposal, Proposer, RescheduleLoop
 from gateway.dispatch.policy_set import PolicySet
 from gateway.dispatch.retry import RetryBudget, RetryParams
 from gateway.dispatch.stall import StallWatch
-from gateway.domain import EngineId
+from gateway.domain import ClusterSnapshot, EngineId
 from gateway.engines.base import EngineClient
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.engines.grpc_link import load_engine_link
@@ -45,6 +47,8 @@ from gateway.observability.loop_lag import lag_monitor_ctx
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.siblings import SiblingScrape
 from gateway.policies.registry import POLICY_NAMES, make_policy
+from gateway.rescheduling.star import StarParams
+from gateway.rescheduling.star import propose as star_propose
 from gateway.workers.spec import WORKER_HEADER, WorkerSpec
 from switchyard.clock import Clock, MonotonicClock
 
@@ -54,6 +58,7 @@ CONFIG_KEY = web.AppKey("config", GatewayConfig)
 METRICS_KEY = web.AppKey("metrics", GatewayMetrics)
 STORE_KEY = web.AppKey("store", ClusterStore)
 DISPATCHER_KEY = web.AppKey("dispatcher", Dispatcher)
+MOVER_KEY = web.AppKey("mover", Mover)
 HANDLERS_KEY = web.AppKey("handlers", ApiHandlers)
 _DRAIN_GRACE_S = 1.0
 # The accept queue: aiohttp's default (128) overflowed when clients opened 2,000 streams a second
@@ -154,6 +159,23 @@ def build_app(
     app[DISPATCHER_KEY] = dispatcher
     app[HANDLERS_KEY] = handlers
     handlers.add_routes(app)
+    rs = config.reschedule
+    mover = Mover(
+        store,
+        clock,
+        metrics,
+        MoveParams(rs.max_migrations_per_request, rs.request_cooldown_s, rs.engine_cooldown_s),
+    )
+    app[MOVER_KEY] = mover
+    if rs.policy != "none":
+        reschedule = RescheduleLoop(
+            mover, store.snapshot, _star_proposer(rs.policy, rs.params), rs.interval_s, metrics
+        )
+        app.cleanup_ctx.append(_background_ctx(reschedule.run, "rescheduler"))
+    if config.enable_admin:
+        AdminRoutes(mover, access).add_routes(app)
+        if access.is_open:
+            log.warning("admin endpoints on (/admin/*) and no API key file: anyone can call them")
     upstreams = () if engine_clients is not None else config.upstreams
     app.cleanup_ctx.append(_engines_ctx(upstreams))
     app.cleanup_ctx.append(lag_monitor_ctx(metrics.loop_lag.observe))  # switchyard_event_loop_lag_seconds
@@ -164,6 +186,21 @@ def build_app(
     app.on_shutdown.append(_begin_drain)
     app.on_cleanup.append(_end_drain)
     return app
+
+
+def _star_proposer(policy: str, params: Mapping[str, float | int | bool]) -> Proposer:
+    """STAR's Algorithm 1 (`gateway.rescheduling.star`) as the reschedule loop's proposer."""
+    try:
+        star = StarParams(**{**params, "use_prediction": policy == "star"})  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"reschedule.params: {e}") from e
+
+    def propose(
+        snapshot: ClusterSnapshot, model: str, exclude: frozenset[str], busy: frozenset[str]
+    ) -> Proposal | None:
+        return star_propose(snapshot, star, model=model, exclude_requests=exclude, busy_engines=busy)
+
+    return propose
 
 
 def _worker_header(index: str) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:

@@ -146,6 +146,21 @@ class AdmissionConfig(_Frozen):
     calibration_samples: int = Field(512, ge=1)
 
 
+class RescheduleConfig(_Frozen):
+    """Moving running requests between engines (STAR; gateway.dispatch.mover, gateway.rescheduling)."""
+
+    # "none": no rescheduler runs (migrations only through /admin/migrate); "star": STAR's Algorithm 1 with
+    # the agents' length predictions; "star-nopred": the same on current load only (the paper's ablation).
+    policy: Literal["none", "star", "star-nopred"] = "none"
+    interval_s: float = Field(0.5, gt=0)  # how often the rescheduler looks
+    max_migrations_per_request: int = Field(2, ge=0)
+    request_cooldown_s: float = Field(5.0, ge=0)  # a request is not cut again within this
+    engine_cooldown_s: float = Field(1.0, ge=0)  # an engine sits out new migrations this long after one
+    # The rescheduler's own parameters (gateway.rescheduling.star.StarParams fields); unknown keys are an
+    # error at start-up.
+    params: dict[str, float | int | bool] = Field(default_factory=dict)
+
+
 class GatewayConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
@@ -180,6 +195,9 @@ class GatewayConfig(_Frozen):
     api_keys_file: str | None = Field(None, min_length=1)
     engine_link: EngineLinkConfig = EngineLinkConfig()  # TLS and token towards the agents; default plaintext
     client_limits: ClientLimitsConfig = ClientLimitsConfig()  # slowloris, idle streams, slow readers
+    reschedule: RescheduleConfig = RescheduleConfig()
+    # Serve /admin/* (gateway.api.admin): with an API key file only admin keys may call them.
+    enable_admin: bool = False
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> GatewayConfig:

@@ -30,6 +30,27 @@ class LensState:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestPrediction:
+    """STAR (§4): one running request's predicted remaining output, as its engine last reported it."""
+
+    request_id: str
+    current_tokens: int  # N(r): prompt + generated, the tokens whose KV it holds
+    predicted_remaining_tokens: float  # N-hat(r), counted down between the agent's taps
+    generated_tokens: int = 0
+    migratable: bool = True  # decoding, not being cut or loading
+
+
+@dataclass(frozen=True, slots=True)
+class FutureLoad:
+    """STAR's worker-side summary (§5.2, `switchyard.star_load`): the engine's predicted token load at rounds
+    1..H of `round_tokens` decode steps, from the prediction round `round`."""
+
+    round: int
+    round_tokens: int
+    load: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class EngineView:
     """What the gateway knows about one engine at snapshot time."""
 
@@ -56,6 +77,11 @@ class EngineView:
     max_num_seqs: int = 0
     last_iteration_s: float = 0.0  # duration of the engine's latest iteration (kept while it idles)
     lens: LensState | None = None  # LENS's state vector; None when the engine does not run LENS
+    # STAR: the last prediction round's per-request predictions and future-load summary (empty / None when
+    # the engine runs no length predictor). Kept between rounds; a stale view drops them, like `lens`.
+    predictions: tuple[RequestPrediction, ...] = ()
+    future_load: FutureLoad | None = None
+    kv_bytes_per_token: int = 0  # from the engine's description (0 = unknown): migration cost, C_mig
     # Gateway-side optimistic accounting: requests this gateway dispatched and not yet finished.
     inflight_requests: int = 0
     inflight_tokens: int = 0  # prompt + max output tokens of those requests (an upper bound)
@@ -180,7 +206,30 @@ class Finished:
     decode_s: float = 0.0
 
 
-EngineEvent = Admitted | Delta | Finished
+@dataclass(frozen=True, slots=True)
+class MigrationTicket:
+    """A request cut on its engine to resume elsewhere (STAR §5.4), as the gateway carries it: the figures
+    the splice decides on, plus the transport's own encoding of the ticket (`encoded`, opaque here) that the
+    resuming engine needs."""
+
+    request_id: str  # the id on the source
+    source_engine_id: str
+    target: str  # the engine id the mover named (the rescheduler's target); "" = anywhere
+    output_tokens: int  # tokens the source delivered before the cut (its stream carried every one)
+    kv_tokens: int = 0  # tokens whose KV the target pulls instead of recomputing
+    kv_bytes: int = 0
+    encoded: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Migrated:
+    """Last event of a stream whose request moved (instead of `Finished`): follow it with `ticket`."""
+
+    ticket: MigrationTicket
+
+
+EngineEvent = Admitted | Delta | Finished  # what a choice's client-facing relay carries
+StreamEvent = EngineEvent | Migrated  # what an engine's stream carries (the dispatcher follows `Migrated`)
 
 
 class EngineUnavailable(Exception):
@@ -196,6 +245,11 @@ class EngineUnavailable(Exception):
 
 class EngineStreamError(Exception):
     """The engine failed after the stream began (not retryable without duplicating output)."""
+
+
+class MigrationRefusedError(Exception):
+    """The engine would not cut the request (unknown or ended there, not movable faithfully, no migration
+    capability); the request keeps running where it is."""
 
 
 class EngineRequestError(ValueError):
@@ -224,6 +278,9 @@ class EngineReport:
     running_batch_tokens: int
     lens: LensState | None = None  # None when the engine does not run LENS
     last_iteration_s: float = 0.0
+    # STAR: present only in a push that follows a new prediction round (the store keeps the last ones).
+    predictions: tuple[RequestPrediction, ...] = ()
+    future_load: FutureLoad | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,3 +293,4 @@ class EngineDescription:
     max_context_tokens: int
     block_size: int
     max_num_seqs: int
+    kv_bytes_per_token: int = 0  # 0 = the engine did not say

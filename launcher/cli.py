@@ -12,6 +12,8 @@
       writes a tiny random-weight Llama model (with the repository's tokenizer) that vLLM can serve on a CPU.
   switchyard gateway ...   delegates to `gateway.__main__.main`
   switchyard agent ...     delegates to `engine_agent.__main__.main`
+  switchyard predictor collect|train|eval ...   delegates to `engine_agent.star.cli.main` (STAR's predictor),
+      with loadgen's dataset loading for `collect`
 
 Owns: sub-command dispatch, the `up` orchestration and its banner, one-line errors (exit 2 for usage, 1 for a
 fleet that failed to start).
@@ -50,12 +52,13 @@ from launcher.local_fleet import (
 DEFAULT_PROFILE = "h100-llama3-8b"
 # Engines per backend when --engines is not given: vLLM on a CPU uses every core, so one per machine.
 DEFAULT_ENGINES: dict[Backend, int] = {"sim": 4, "vllm": 1}
-USAGE = """usage: switchyard {up,tiny-model,gateway,agent} ...
+USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor} ...
 
   up          start engine agents (simulated, or vLLM with --backend vllm --model DIR) and a gateway
   tiny-model  write a tiny random-weight Llama model directory that vLLM can serve on a CPU
   gateway     run the gateway (see: switchyard gateway --help)
   agent       run one engine agent (see: switchyard agent --help)
+  predictor   STAR's remaining-length predictor: collect hidden states, train, eval (see: --help)
 """
 
 
@@ -310,8 +313,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         from engine_agent.__main__ import main as agent_main  # noqa: PLC0415 (agent code only when asked)
 
         return agent_main(rest, prog="switchyard agent")
+    if command == "predictor":
+        from engine_agent.star.cli import main as predictor_main  # noqa: PLC0415 (numpy training code)
+        from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
+        from loadgen.paths import resolve_data_dir  # noqa: PLC0415
+
+        return predictor_main(
+            rest,
+            prog="switchyard predictor",
+            load_requests=lambda name, data_dir, n, seed: load_dataset(
+                name, resolve_data_dir(data_dir), num_requests=n, seed=seed
+            ),
+        )
     print(
-        f"switchyard: error: unknown command {command!r} (choose from up, tiny-model, gateway, agent)",
+        f"switchyard: error: unknown command {command!r} "
+        "(choose from up, tiny-model, gateway, agent, predictor)",
         file=sys.stderr,
     )
     return 2

@@ -6,9 +6,10 @@ buffers, the mapping of the engine's step results onto wall time (a step's outpu
 simulated duration has elapsed), aborts on early close, when the change version behind `wait_for_change` is
 looked at (the version itself is `engine_agent.backends.sim_changes`), the loop-lag figures, migration
 (`migrate_out` / `migrate_in`: the cut against the delivery buffers, the modelled KV transfer time, the
-migration stats kept), when the hidden-state tap runs (`hidden_states`), and attaching LENS to the engine
-(`engine_agent.sim.lens_adapter.SimLens`: state vector always, batch planning with `lens_planning`; the engine
-runs its refits inline, a few ms every 16 iterations, which the loop absorbs like any slow step).
+migration stats kept), when the hidden-state tap runs (`hidden_states`), the decided output lengths STAR's
+oracle reads (`output_targets`), and attaching LENS to the engine (`engine_agent.sim.lens_adapter.SimLens`:
+state vector always, batch planning with `lens_planning`; the engine runs its refits inline, a few ms every 16
+iterations, which the loop absorbs like any slow step).
 Must not: batch, schedule or time iterations itself (that is the engine model, invariant I2), know gRPC or
 text, encode tickets (that is `engine_agent.sim.ticket`), keep tap subscribers or build hidden-state batches
 (that is `engine_agent.backends.sim_tap`), or read time other than through the injected `Clock` (it waits
@@ -166,6 +167,7 @@ class SimBackend:
             tensor_parallel=profile.tensor_parallel,
             hidden_size=profile.model.hidden_size,
             hidden_state_interval=hidden_state_interval,
+            kv_bytes_per_token=profile.model.kv_bytes_per_token,
         )
         self._kv_bytes_per_token = profile.model.kv_bytes_per_token
         self._kv_transfer_bytes_per_s = kv_transfer_gbps * 1e9
@@ -383,6 +385,13 @@ class SimBackend:
 
     def hidden_states(self) -> AsyncIterator[HiddenStateBatch]:
         return self._tap.subscribe()
+
+    def output_targets(self) -> dict[RequestId, int]:
+        """Read-only, for STAR's oracle predictor (`engine_agent.star.live.OraclePredictor`): the output
+        length the engine decided for each decoding request (earlier engines' tokens included), so its exact
+        remaining length at g generated tokens is the target minus g. Call on the loop (O(running))."""
+        ids, _, generated, remaining = self._engine.decoding_requests()
+        return {rid: g + r for rid, g, r in zip(ids, generated, remaining, strict=True)}
 
     # -- engine loop -------------------------------------------------------------------------------
 

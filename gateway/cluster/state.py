@@ -38,7 +38,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gateway.cluster.health import EngineHealth, FailureReason, OutlierParams
-from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, EngineView
+from gateway.domain import (
+    ClusterSnapshot,
+    EngineDescription,
+    EngineId,
+    EngineReport,
+    EngineView,
+    FutureLoad,
+    RequestPrediction,
+)
 
 DEFAULT_BLOCK_SIZE = 16  # assumed until an engine describes itself
 DEFAULT_LATENCY_WINDOW_S = 2.0  # NexusSched §7.4's latency-based baseline averages the last 2 s
@@ -75,6 +83,9 @@ class _Engine:
     ttft_sum_s: float = 0.0
     e2e_sum_s: float = 0.0
     health: EngineHealth = field(default_factory=EngineHealth)
+    # STAR: the last prediction round's predictions and future-load summary (reports carry them per round).
+    predictions: tuple[RequestPrediction, ...] = ()
+    future_load: FutureLoad | None = None
 
     def expire_latencies(self, now_s: float, window_s: float) -> None:
         samples = self.latencies
@@ -148,6 +159,7 @@ class ClusterState:
         state = self._engines[engine_id]
         state.connected = False
         state.anchor_engine_ts_s = None
+        state.predictions, state.future_load = (), None  # a reconnected agent starts its rounds anew
         self._changed = True
 
     def on_report(self, engine_id: EngineId, report: EngineReport, received_at_s: float) -> None:
@@ -159,6 +171,9 @@ class ClusterState:
             return
         state.report = report
         state.report_received_s = received_at_s
+        if report.future_load is not None:  # a new prediction round (STAR): kept until the next one
+            state.predictions = report.predictions
+            state.future_load = report.future_load
         if state.anchor_engine_ts_s is None or report.engine_timestamp_s > state.anchor_engine_ts_s:
             engine_ts_s = report.engine_timestamp_s
             if state.unreported:
@@ -227,6 +242,13 @@ class ClusterState:
             state.unreported_tokens -= dispatch.tokens
             state.unreported_prompt_tokens -= dispatch.prompt_tokens
         self._changed = True
+
+    def engine_of(self, request_id: str) -> EngineId | None:
+        """The engine holding `request_id`'s newest in-flight dispatch (None: not in flight). O(engines)."""
+        for state in self._engines.values():
+            if request_id in state.inflight:
+                return state.engine_id
+        return None
 
     # ---- transport outcomes (outlier detection) -----------------------------------------------------------
 
@@ -389,16 +411,29 @@ class ClusterState:
             running_batch_tokens=report.running_batch_tokens,
             last_iteration_s=report.last_iteration_s,
             lens=report.lens,
+            predictions=state.predictions,
+            future_load=state.future_load,
+            kv_bytes_per_token=desc.kv_bytes_per_token if desc is not None else 0,
         )
         if age_s <= self._stale_after_s:
             return view
         # Stale: identity and readiness from the last report, load from local accounting (module docstring).
         used_blocks = -(state.inflight_tokens // -block_size)
         return replace(
-            view, stale=True, num_running=state.inflight_requests, num_waiting=0, kv_blocks_reserved=0,
-            kv_blocks_free=max(0, report.kv_blocks_total - used_blocks), pending_prefill_tokens=0,
-            running_batch_tokens=0, unreported_requests=0, unreported_tokens=0, unreported_prompt_tokens=0,
+            view,
+            stale=True,
+            num_running=state.inflight_requests,
+            num_waiting=0,
+            kv_blocks_reserved=0,
+            kv_blocks_free=max(0, report.kv_blocks_total - used_blocks),
+            pending_prefill_tokens=0,
+            running_batch_tokens=0,
+            unreported_requests=0,
+            unreported_tokens=0,
+            unreported_prompt_tokens=0,
             lens=None,
+            predictions=(),
+            future_load=None,
         )
 
     def engine_ids(self) -> tuple[EngineId, ...]:

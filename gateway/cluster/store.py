@@ -223,6 +223,10 @@ class ClusterStore:
     def snapshot(self) -> ClusterSnapshot:
         return self._state.snapshot(self._clock.now())
 
+    def engine_of(self, request_id: str) -> EngineId | None:
+        """The engine this gateway last dispatched `request_id` to and has not released (None: none)."""
+        return self._state.engine_of(request_id)
+
     def client(self, engine_id: EngineId) -> EngineClient:
         """The client of a picked engine (KeyError when unknown)."""
         return self._watched[engine_id].client

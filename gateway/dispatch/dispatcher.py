@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from gateway.cluster.health import FailureReason
@@ -50,6 +50,7 @@ from gateway.dispatch.policy_set import PolicySet
 from gateway.dispatch.retry import RetryBudget
 from gateway.dispatch.stall import Stalled, StallWatch, Watched
 from gateway.domain import (
+    Admitted,
     ClusterSnapshot,
     Delta,
     EngineEvent,
@@ -58,9 +59,12 @@ from gateway.domain import (
     EngineStreamError,
     EngineUnavailable,
     Finished,
+    Migrated,
+    StreamEvent,
 )
-from gateway.engines.base import EngineClient
+from gateway.engines.base import EngineClient, MigratingClient
 from gateway.observability.metrics import GatewayMetrics
+from gateway.policies.base import Policy
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -195,7 +199,9 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def generate(self, request: EngineRequest, hints: RoutingHints) -> AsyncIterator[EngineEvent]:
+    async def generate(
+        self, request: EngineRequest, hints: RoutingHints
+    ) -> AsyncGenerator[EngineEvent, None]:
         """One choice's events, routed and retried before the first event; use under `contextlib.aclosing`.
 
         The decisions are `ChoiceLife`'s (the simulator runs the same); this method executes them: it samples
@@ -206,9 +212,14 @@ class Dispatcher:
         session_last_used_s = 0.0
         if hints.session_id:
             session_engine, session_last_used_s = self._state.session_lookup(hints.session_id)
-        life = ChoiceLife(request, hints, session_engine=session_engine,
-                          session_last_used_s=session_last_used_s, max_attempts=self._max_attempts,
-                          budget=self._budget)
+        life = ChoiceLife(
+            request,
+            hints,
+            session_engine=session_engine,
+            session_last_used_s=session_last_used_s,
+            max_attempts=self._max_attempts,
+            budget=self._budget,
+        )
         policy_name, policy = self._policies.resolve(hints.policy_name)
         state, clock, metrics = self._state, self._clock, self._metrics
         decisions = metrics.routing_decisions
@@ -252,21 +263,17 @@ class Dispatcher:
                     continue
                 self._apply(life.on_first_event(clock.now()))
                 timing = _ChoiceTiming(hints.arrival_s)
-                if self._observe(first, timing, life):
-                    yield first
-                    return
-                yield first
+                event = first
                 while True:
-                    try:
-                        event = await _next_event(stream, watched)
-                    except StopAsyncIteration:
-                        raise EngineStreamError("engine stream ended without a finish event") from None
-                    except Stalled as e:
-                        raise EngineStreamError(str(e)) from None
+                    if isinstance(event, Migrated):
+                        life.on_migrated(event.ticket)
+                        timing.migrated_s = clock.now()
+                        break
                     finished = self._observe(event, timing, life)
                     yield event
                     if finished:
                         return
+                    event = await _stream_event(stream, watched)
             except EngineStreamError:  # the engine failed it: a stall, a broken stream, an error finish
                 stalled = watched is not None and watched.stalled
                 if life.current is not None:
@@ -285,6 +292,93 @@ class Dispatcher:
                         state.note_finish(released, request.request_id)
                     if backoff_s > 0:
                         await asyncio.sleep(backoff_s)
+            # Only a migration leaves the loop this way (a finish returned, a failure raised): follow it.
+            async for resumed in self._follow(life, policy, request, timing):
+                yield resumed
+            return
+
+    async def _follow(
+        self, life: ChoiceLife, policy: Policy, request: EngineRequest, timing: _ChoiceTiming
+    ) -> AsyncIterator[EngineEvent]:
+        """Resume a migrated choice where the life says (`ChoiceLife.follow`) and relay the rest of its
+        stream: the resumed stream's `Admitted` is dropped (the client had the role chunk), its first
+        `skip_tokens` tokens too (the client has them), and a resumed stream can migrate again."""
+        state, clock, metrics, watch = self._state, self._clock, self._metrics, self.stall_watch
+        while True:
+            ticket = life.ticket
+            assert ticket is not None
+            step = life.follow(
+                policy, Moment(clock.now(), next(self._seq), self._rng.random(), state.snapshot())
+            )
+            if isinstance(step, StreamFailed):
+                metrics.migrations.labels("failed").inc()
+                metrics.stream_errors.labels("migration").inc()
+                raise EngineStreamError(step.message)
+            dispatch = step.dispatch
+            engine_id = dispatch.engine_id
+            client = state.client(engine_id)
+            if not isinstance(client, MigratingClient):
+                life.on_follow_failed(f"engine {engine_id} cannot resume a migrated request")
+                life.on_closed()
+                continue
+            record_dispatch(state, dispatch)
+            stream = client.resume(step.ticket, request)
+            watched = watch.open() if watch is not None else None
+            skip = step.skip_tokens
+            resumed = False
+            try:
+                try:
+                    event = await _next_event(stream, watched)
+                except (EngineUnavailable, StopAsyncIteration, Stalled) as e:
+                    reason, error = _failure_of(e)
+                    self._apply(life.failure(reason, clock.now()))
+                    life.on_follow_failed(error)
+                    log.info(
+                        "request %s: engine %s did not resume it (%s)", request.request_id, engine_id, error
+                    )
+                    continue
+                self._apply(life.on_first_event(clock.now()))
+                metrics.migrations.labels("resumed" if engine_id == ticket.target else "fallback").inc()
+                resumed = True
+                while True:
+                    if isinstance(event, Migrated):
+                        life.on_migrated(event.ticket)
+                        timing.migrated_s = clock.now()
+                        break
+                    if isinstance(event, Delta) and skip > 0:
+                        if event.num_tokens > skip:
+                            raise EngineStreamError(
+                                f"the resumed stream's delta of {event.num_tokens} tokens straddles the "
+                                f"{skip} the client already has"
+                            )
+                        skip -= event.num_tokens
+                    elif not isinstance(event, Admitted):
+                        if timing.migrated_s is not None and isinstance(event, Delta):
+                            metrics.splice_stall.observe(clock.now() - timing.migrated_s)
+                            timing.migrated_s = None
+                        finished = self._observe(event, timing, life)
+                        yield event
+                        if finished:
+                            return
+                    event = await _stream_event(stream, watched)
+            except EngineStreamError:
+                stalled = watched is not None and watched.stalled
+                if life.current is not None:
+                    self._apply(life.failure("stall" if stalled else "server_errors", clock.now()))
+                if not resumed:
+                    metrics.migrations.labels("failed").inc()
+                metrics.stream_errors.labels("stall" if stalled else "engine").inc()
+                raise
+            finally:
+                if watched is not None and watch is not None:
+                    watch.close(watched)
+                try:
+                    with contextlib.suppress(Exception):
+                        await stream.aclose()  # type: ignore[attr-defined]
+                finally:
+                    released = life.on_closed()
+                    if released is not None:
+                        state.note_finish(released, request.request_id)
 
     def _apply(self, outcome: Outcome) -> None:
         """Apply a transport outcome to outlier detection; count and log a change of pool membership."""
@@ -294,15 +388,18 @@ class Dispatcher:
             log.info("engine %s is back in the pool (a request succeeded)", outcome.engine_id)
         else:
             self._metrics.outlier_ejections.labels(str(outcome.engine_id), outcome.reason).inc()
-            log.warning("engine %s ejected from the pool after consecutive failures (%s)",
-                        outcome.engine_id, outcome.reason)
+            log.warning(
+                "engine %s ejected from the pool after consecutive failures (%s)",
+                outcome.engine_id,
+                outcome.reason,
+            )
 
     def _observe(self, event: EngineEvent, timing: _ChoiceTiming, life: ChoiceLife) -> bool:
         """Feed `event` to the life and the latency metrics; True on a successful finish (its latency sample
         is recorded); an error finish raises `EngineStreamError`."""
         if isinstance(event, Delta):
             now_s = self._clock.now()
-            life.on_token(now_s)
+            life.on_token(now_s, event.num_tokens)
             if timing.last_token_s is None:
                 self._metrics.ttft.observe(now_s - timing.arrival_s)
             else:
@@ -315,12 +412,24 @@ class Dispatcher:
             if isinstance(outcome, StreamFailed):
                 raise EngineStreamError(outcome.message)
             self._metrics.e2e.observe(now_s - timing.arrival_s)
-            self._state.note_latency(outcome.engine_id, outcome.ttft_s, outcome.e2e_s, outcome.now_s)
+            if outcome is not None:  # None: a migrated choice (its latencies are not one engine's)
+                self._state.note_latency(outcome.engine_id, outcome.ttft_s, outcome.e2e_s, outcome.now_s)
             return True
         return False
 
 
-async def _next_event(stream: AsyncIterator[EngineEvent], watched: Watched | None) -> EngineEvent:
+async def _stream_event(stream: AsyncIterator[StreamEvent], watched: Watched | None) -> StreamEvent:
+    """The next event of a stream that has begun: its end without a last event, or a stall, is the engine
+    failing the stream."""
+    try:
+        return await _next_event(stream, watched)
+    except StopAsyncIteration:
+        raise EngineStreamError("engine stream ended without a finish event") from None
+    except Stalled as e:
+        raise EngineStreamError(str(e)) from None
+
+
+async def _next_event(stream: AsyncIterator[StreamEvent], watched: Watched | None) -> StreamEvent:
     """The stream's next event; under a stall watch, `Stalled` when the watch gave up waiting for it."""
     if watched is None:
         return await anext(stream)
@@ -354,8 +463,12 @@ def _debug_decision(policy_name: str, policy: object, decision: Decision, moment
     """At DEBUG: the decision, the policy that made it, why (dispatch, retry or give-up) and, for a policy
     that can score (PRISM's `scores`), every candidate's score and confidence on the same snapshot."""
     if isinstance(decision, GiveUp):
-        log.debug("routing: policy=%s reason=give_up attempts=%d: %s", policy_name, decision.attempts,
-                  decision.message)
+        log.debug(
+            "routing: policy=%s reason=give_up attempts=%d: %s",
+            policy_name,
+            decision.attempts,
+            decision.message,
+        )
         return
     f = decision.features
     scores = getattr(policy, "scores", None)
@@ -364,16 +477,25 @@ def _debug_decision(policy_name: str, policy: object, decision: Decision, moment
         detail = " scores=" + ", ".join(f"{e}:{s:.4g}@{c:.2f}" for e, s, c in scores(f, moment.snapshot))
     views = {e.engine_id: e for e in moment.snapshot.serving(f.model)}
     load = ", ".join(f"{e}:q{v.queue_length}{'/stale' if v.stale else ''}" for e, v in views.items())
-    log.debug("routing: request=%s policy=%s reason=%s engine=%s attempt=%d exclude=%s load=[%s]%s",
-              f.request_id, policy_name, "dispatch" if decision.attempt == 1 else "retry",
-              decision.engine_id, decision.attempt, sorted(f.exclude), load, detail)
+    log.debug(
+        "routing: request=%s policy=%s reason=%s engine=%s attempt=%d exclude=%s load=[%s]%s",
+        f.request_id,
+        policy_name,
+        "dispatch" if decision.attempt == 1 else "retry",
+        decision.engine_id,
+        decision.attempt,
+        sorted(f.exclude),
+        load,
+        detail,
+    )
 
 
 class _ChoiceTiming:
     """Client-facing latency metrics of one choice (from the request's arrival, retries included)."""
 
-    __slots__ = ("arrival_s", "last_token_s")
+    __slots__ = ("arrival_s", "last_token_s", "migrated_s")
 
     def __init__(self, arrival_s: float) -> None:
         self.arrival_s = arrival_s
         self.last_token_s: float | None = None
+        self.migrated_s: float | None = None  # when the gateway saw the last `Migrated`, until the next token

@@ -17,9 +17,21 @@ calls `on_closed`, which names the engine to release), streaming (after `on_firs
 done (after `on_finished` or a `GiveUp`). `on_unavailable` answers `Retry(delay_s)` (close the attempt, wait,
 route again) or `GiveUp` (attempts or the gateway's retry budget, `gateway.dispatch.retry`, exhausted).
 Transport outcomes for outlier detection: the first event is a success, `on_unavailable` and a failed stream
-a failure (`Outcome` effects the executor applies with `record_outcome`). Later
-features (following a migration, escalating a cascade stage, handing over to the next stage) are further
-events of this class, so the simulator runs them too.
+a failure (`Outcome` effects the executor applies with `record_outcome`).
+
+Following a migration (STAR §5.4, the stream splice): the engine's stream ends with `Migrated(ticket)`; the
+executor closes the source attempt (`on_closed` releases it) and asks `follow` where to resume. The order:
+the engine the mover named (`ticket.target`), then the policy's pick among the others, then the source itself
+(it still holds the cut's KV until its lease ends; "the engine the mover named" is in the gateway's engine
+ids, the mover passes them as the cut's target), each at most once, at most `max_follows` resumptions per
+choice. `follow` returns a `Follow` (a `Dispatch` to note and `MigrateIn` to open, and how many tokens of the
+new stream to drop: the splice is by token position, and the client has `relayed` tokens) or a
+`StreamFailed` when no engine is left or the client holds tokens the ticket does not (a gap). A resumed
+attempt that fails before its first event (`on_follow_failed`) moves to the next candidate; one that fails
+after it is a stream error (re-ticketing from the relayed tokens needs engines that resume without KV, not
+built yet). A migrated choice records no latency sample: its TTFT and end-to-end time are not one engine's.
+Later features (escalating a cascade stage, handing over to the next stage) are further events of this class,
+so the simulator runs them too.
 """
 
 from __future__ import annotations
@@ -30,10 +42,18 @@ from typing import Protocol
 from gateway.cluster.health import FailureReason
 from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
 from gateway.dispatch.retry import RetryBudget
-from gateway.domain import ClusterSnapshot, EngineId, EngineRequest, Finished, RequestFeatures
+from gateway.domain import (
+    ClusterSnapshot,
+    EngineId,
+    EngineRequest,
+    Finished,
+    MigrationTicket,
+    RequestFeatures,
+)
 from gateway.policies.base import Policy
 
 DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_MAX_FOLLOWS = 4  # resumptions of one choice after migrations (moves and fallbacks together)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +119,17 @@ class Outcome:
     now_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class Follow:
+    """Effect: resume the migrated choice on `dispatch.engine_id` with `ticket` (note the dispatch with
+    `record_dispatch`, open the engine's `MigrateIn`), dropping the first `skip_tokens` tokens it streams (the
+    client has them already)."""
+
+    dispatch: Dispatch
+    ticket: MigrationTicket
+    skip_tokens: int
+
+
 Decision = Dispatch | GiveUp
 
 
@@ -146,9 +177,28 @@ class LifeError(RuntimeError):
 class ChoiceLife:
     """The decisions of one choice: build it on arrival, feed it events, apply what it returns."""
 
-    __slots__ = ("request", "hints", "prompt_tokens", "max_attempts", "session_engine", "session_last_used_s",
-                 "budget", "tried", "decisions", "last_error", "current", "first_token_s", "streaming",
-                 "done")
+    __slots__ = (
+        "request",
+        "hints",
+        "prompt_tokens",
+        "max_attempts",
+        "session_engine",
+        "session_last_used_s",
+        "budget",
+        "tried",
+        "decisions",
+        "last_error",
+        "current",
+        "first_token_s",
+        "streaming",
+        "done",
+        "relayed",
+        "ticket",
+        "migrated_from",
+        "follow_tried",
+        "follows",
+        "max_follows",
+    )
 
     def __init__(
         self,
@@ -159,6 +209,7 @@ class ChoiceLife:
         session_last_used_s: float = 0.0,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         budget: RetryBudget | None = None,
+        max_follows: int = DEFAULT_MAX_FOLLOWS,
     ) -> None:
         """`budget`: the executor's gateway-wide retry budget (None: retries bounded by `max_attempts` only,
         without backoff)."""
@@ -178,6 +229,12 @@ class ChoiceLife:
         self.first_token_s: float | None = None
         self.streaming = False
         self.done = False
+        self.relayed = 0  # output tokens relayed to the client so far (the splice's position)
+        self.ticket: MigrationTicket | None = None  # the migration being followed
+        self.migrated_from: EngineId | None = None  # the engine that cut it
+        self.follow_tried: list[EngineId] = []  # engines tried for the current ticket
+        self.follows = 0
+        self.max_follows = max_follows
 
     # ---- routing -------------------------------------------------------------------------------------------
 
@@ -210,8 +267,11 @@ class ChoiceLife:
         return dispatch
 
     def _give_up(self, why: str = "") -> GiveUp:
-        detail = (f" after {len(self.tried)} unavailable engine(s){why}: {self.last_error}"
-                  if self.last_error is not None else "")
+        detail = (
+            f" after {len(self.tried)} unavailable engine(s){why}: {self.last_error}"
+            if self.last_error is not None
+            else ""
+        )
         give_up = GiveUp(f"no engine for model {self.request.model!r}{detail}", len(self.tried))
         self.done = True
         self.decisions.append(give_up)
@@ -248,17 +308,86 @@ class ChoiceLife:
         self.streaming = True
         return Outcome(dispatch.engine_id, None, now_s)
 
-    def on_token(self, now_s: float) -> None:
-        """A token arrived at `now_s` (only the first one matters to the life)."""
+    def on_token(self, now_s: float, num_tokens: int = 1) -> None:
+        """`num_tokens` tokens reached the client at `now_s`."""
         if self.first_token_s is None:
             self.first_token_s = now_s
+        self.relayed += num_tokens
 
-    def on_finished(self, event: Finished, now_s: float) -> RecordLatency | StreamFailed:
-        """The engine's finish: a latency sample for its engine on success, else the stream's error."""
+    # ---- following a migration -----------------------------------------------------------------------------
+
+    def on_migrated(self, ticket: MigrationTicket) -> None:
+        """The open attempt's stream ended with `Migrated(ticket)`; the executor closes it (`on_closed`) and
+        then asks `follow`."""
+        dispatch = self._open()
+        if not self.streaming:
+            raise LifeError("on_migrated() before the stream began")
+        self.ticket = ticket
+        self.migrated_from = dispatch.engine_id
+        self.follow_tried = []
+
+    def follow(self, policy: Policy, moment: Moment) -> Follow | StreamFailed:
+        """Where to resume the migrated choice (see the module docstring), or why it cannot be."""
+        ticket = self.ticket
+        if ticket is None or self.current is not None or self.done:
+            raise LifeError("follow() without a migration to follow, or with an attempt open")
+        if self.relayed < ticket.output_tokens:
+            return self._fail(
+                f"the client has {self.relayed} tokens but the engine cut the request after "
+                f"{ticket.output_tokens}: tokens would be lost"
+            )
+        if self.follows >= self.max_follows:
+            return self._fail(f"the request moved {self.follows} times; no further resumption is allowed")
+        serving = {e.engine_id for e in moment.snapshot.serving(self.request.model)}
+        source = self.migrated_from  # the gateway's id (the ticket names the agent's)
+        assert source is not None
+        tried = self.follow_tried
+        engine_id: EngineId | None = None
+        named = EngineId(ticket.target)
+        if ticket.target and named in serving and named not in tried:
+            engine_id = named
+        features = build_features(
+            self.request,
+            self.hints,
+            prompt_tokens=self.prompt_tokens,
+            now_s=moment.now_s,
+            dispatch_seq=moment.dispatch_seq,
+            rand=moment.rand,
+            session_engine=None,
+            session_last_used_s=0.0,
+            exclude=frozenset((*tried, source)),
+        )
+        if engine_id is None:
+            engine_id = policy.pick(features, moment.snapshot)
+        if engine_id is None and source not in tried and source in serving:
+            engine_id = source
+        if engine_id is None:
+            detail = f": {self.last_error}" if self.last_error else ""
+            return self._fail(f"no engine could resume the migrated request{detail}")
+        tried.append(engine_id)
+        self.follows += 1
+        dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried) + self.follows)
+        self.current = dispatch
+        return Follow(dispatch, ticket, self.relayed - ticket.output_tokens)
+
+    def on_follow_failed(self, error: str) -> None:
+        """The resumed attempt failed before its first event: `follow` tries the next candidate."""
+        self._open()
+        self.last_error = error
+
+    def _fail(self, message: str) -> StreamFailed:
+        self.done = True
+        return StreamFailed(message)
+
+    def on_finished(self, event: Finished, now_s: float) -> RecordLatency | StreamFailed | None:
+        """The engine's finish: a latency sample for its engine on success (None after a migration: the
+        latencies are not one engine's), else the stream's error."""
         dispatch = self._open()
         self.done = True
         if event.finish_reason in ("error", "abort"):
             return StreamFailed(event.error_message or f"engine finished with {event.finish_reason}")
+        if self.ticket is not None:
+            return None
         start_s = dispatch.features.now_s
         first_s = self.first_token_s if self.first_token_s is not None else now_s
         return RecordLatency(dispatch.engine_id, first_s - start_s, now_s - start_s, now_s)

@@ -9,9 +9,9 @@ Must not: know about HTTP clients of the gateway, SSE formatting or policies.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from gateway.domain import EngineDescription, EngineEvent, EngineReport, EngineRequest
+from gateway.domain import EngineDescription, EngineReport, EngineRequest, MigrationTicket, StreamEvent
 
 
 class EngineClient(Protocol):
@@ -22,8 +22,9 @@ class EngineClient(Protocol):
 
     async def describe(self) -> EngineDescription: ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
-        """Stream one generation. Closing the iterator early cancels the engine request."""
+    def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        """Stream one generation. Closing the iterator early cancels the engine request. The last event is
+        `Finished`, or `Migrated` when the engine moved the request (follow it with a `MigratingClient`)."""
         ...
 
     def watch_state(self) -> AsyncIterator[EngineReport]:
@@ -31,3 +32,17 @@ class EngineClient(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class MigratingClient(Protocol):
+    """An engine that can cut a running request and resume one cut elsewhere (STAR §5.4; the gRPC agents)."""
+
+    async def migrate_out(self, request_id: str, target: str) -> MigrationTicket:
+        """Cut `request_id` here for `target` (an engine id, informational); `MigrationRefusedError` if it
+        cannot move, `EngineUnavailable` if the engine cannot be reached."""
+        ...
+
+    def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        """Continue a cut request here: the events after the cut, like `generate`'s."""
+        ...

@@ -10,7 +10,9 @@ that imports `switchyard.proto_gen` (checked by tests/unit/test_import_rules.py)
 Error mapping of `generate`: a failure before the first event is `EngineUnavailable` (safe to retry
 elsewhere), except INVALID_ARGUMENT, which is `EngineRequestError` (the API answers 400); a failure after the
 first event is `EngineStreamError`. Closing the generator early cancels the request (a `cancel` on the
-session, or the Generate call's cancel), and the agent aborts it.
+session, or the Generate call's cancel), and the agent aborts it. Migration (STAR §5.4): a stream may end with
+`Migrated(ticket)` instead of `Finished`; `migrate_out` cuts a request (MigrateOut) and `resume` continues one
+on another agent (MigrateIn), with the same error mapping as `generate`.
 An agent that refuses the gateway's credentials (UNAUTHENTICATED, PERMISSION_DENIED on GetInfo or WatchState)
 is an error in the log naming the engine (once, until it accepts them again; the cluster store's backoff paces
 the retries), and the `EngineUnavailable` says which setting to check; a channel that does not connect over
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import grpc
 import grpc.aio
@@ -32,7 +34,6 @@ from gateway.domain import (
     Admitted,
     Delta,
     EngineDescription,
-    EngineEvent,
     EngineId,
     EngineReport,
     EngineRequest,
@@ -40,7 +41,13 @@ from gateway.domain import (
     EngineStreamError,
     EngineUnavailable,
     Finished,
+    FutureLoad,
     LensState,
+    Migrated,
+    MigrationRefusedError,
+    MigrationTicket,
+    RequestPrediction,
+    StreamEvent,
 )
 from gateway.engines.grpc_link import PLAINTEXT, EngineLink
 from gateway.engines.grpc_session import AgentSessionCall, SessionStreamEnded
@@ -102,7 +109,7 @@ def to_generate_request(request: EngineRequest) -> pb.GenerateRequest:
     return message
 
 
-def from_generate_event(event: pb.GenerateEvent) -> EngineEvent:
+def from_generate_event(event: pb.GenerateEvent) -> StreamEvent:
     kind = event.WhichOneof("event")
     if kind == "admitted":
         return Admitted(prompt_tokens=event.admitted.prompt_tokens)
@@ -123,12 +130,21 @@ def from_generate_event(event: pb.GenerateEvent) -> EngineEvent:
             decode_s=f.timings.decode_s,
         )
     if kind == "migrated":
-        # Following the request to its new engine (MigrateIn + splice) is STAR's proxy, not built yet.
-        raise EngineStreamError(
-            f"request {event.migrated.ticket.request_id!r} was migrated to another engine; "
-            "this gateway does not follow migrations yet"
-        )
+        return Migrated(from_ticket(event.migrated.ticket))
     raise EngineStreamError(f"unknown generate event {kind!r}")
+
+
+def from_ticket(ticket: pb.MigrationTicket) -> MigrationTicket:
+    """The gateway's view of a ticket; `encoded` keeps the whole of it for the engine that resumes it."""
+    return MigrationTicket(
+        request_id=ticket.request_id,
+        source_engine_id=ticket.source_engine_id,
+        target=ticket.target,
+        output_tokens=len(ticket.output_token_ids.ids),
+        kv_tokens=ticket.kv_tokens,
+        kv_bytes=ticket.kv_bytes,
+        encoded=ticket.SerializeToString(),
+    )
 
 
 def from_engine_state(state: pb.EngineState) -> EngineReport:
@@ -152,6 +168,25 @@ def from_engine_state(state: pb.EngineState) -> EngineReport:
         running_batch_tokens=state.running_batch_tokens,
         lens=_lens_state(state),
         last_iteration_s=state.last_iteration_s,
+        predictions=tuple(
+            RequestPrediction(
+                request_id=p.request_id,
+                current_tokens=p.current_tokens,
+                predicted_remaining_tokens=p.predicted_remaining_tokens,
+                generated_tokens=p.generated_tokens,
+                migratable=p.migratable,
+            )
+            for p in state.predictions
+        ),
+        future_load=(
+            FutureLoad(
+                round=state.future_load.round,
+                round_tokens=state.future_load.tokens_per_round,
+                load=tuple(state.future_load.load),
+            )
+            if state.HasField("future_load")
+            else None
+        ),
     )
 
 
@@ -181,6 +216,7 @@ def from_engine_info(info: pb.EngineInfo) -> EngineDescription:
         max_context_tokens=info.max_context_tokens,
         block_size=info.block_size,
         max_num_seqs=info.max_num_seqs,
+        kv_bytes_per_token=info.kv_bytes_per_token,
     )
 
 
@@ -189,6 +225,15 @@ def _describe_rpc_error(exc: grpc.aio.AioRpcError) -> str:
 
 
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+# MigrateOut's answers when the request cannot move (unknown, ended, not movable faithfully, no capability).
+_MIGRATION_REFUSED = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    }
+)
 
 
 class GrpcEngineClient:
@@ -287,7 +332,7 @@ class GrpcEngineClient:
             self._refused = False
         return from_engine_info(info)
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         return self._generate_on_session(request) if self._multiplex else self._generate_call(request)
 
     async def _session(self) -> AgentSessionCall:
@@ -302,7 +347,7 @@ class GrpcEngineClient:
         assert self._session_call is not None
         return self._session_call
 
-    async def _generate_on_session(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+    async def _generate_on_session(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         message = to_generate_request(request)
         session = await self._session()
         stream = session.open(message)
@@ -320,39 +365,88 @@ class GrpcEngineClient:
                     raise self._generate_error(request, exc.code, exc.details, started) from exc
                 started = True
                 yield from_generate_event(event)
-                if event.HasField("finished"):
+                if event.HasField("finished") or event.HasField("migrated"):
                     return
         finally:
             session.close_stream(stream)
 
     def _generate_error(
-        self, request: EngineRequest, code: grpc.StatusCode, details: str, started: bool
+        self,
+        request: EngineRequest,
+        code: grpc.StatusCode,
+        details: str,
+        started: bool,
+        rpc: str = "Generate",
     ) -> Exception:
         """How a request that ended with `code` fails (the mapping in the module docstring)."""
-        detail = f"Generate {request.request_id} on {self._address}: {code.name}: {details}"
+        detail = f"{rpc} {request.request_id} on {self._address}: {code.name}: {details}"
         if started:
             return EngineStreamError(detail)
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if code == grpc.StatusCode.INVALID_ARGUMENT and rpc == "Generate":
             return EngineRequestError(details or detail)
         return EngineUnavailable(detail)
 
-    async def _generate_call(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+    async def _generate_call(self, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         message = to_generate_request(request)
         stub = await self._connected_stub()
-        call = stub.Generate(message, metadata=self._metadata)
+        async for event in self._events(request, stub.Generate(message, metadata=self._metadata), "Generate"):
+            yield event
+
+    async def _events(
+        self,
+        request: EngineRequest,
+        call: grpc.aio.UnaryStreamCall[Any, pb.GenerateEvent],
+        rpc: str,
+    ) -> AsyncIterator[StreamEvent]:
+        """One call's events (Generate, MigrateIn) until `finished` or `migrated`; the call is cancelled when
+        the consumer leaves early (the agent aborts the request)."""
         started = False
         try:
             async for event in call:
                 started = True
                 yield from_generate_event(event)
-                if event.WhichOneof("event") == "finished":
+                if event.WhichOneof("event") in ("finished", "migrated"):
                     return
         except grpc.aio.AioRpcError as exc:
-            raise self._generate_error(request, exc.code(), exc.details() or "", started) from exc
+            raise self._generate_error(request, exc.code(), exc.details() or "", started, rpc) from exc
         finally:
             call.cancel()  # a no-op once the call is done; otherwise the agent sees the cancel and aborts
-        detail = f"Generate {request.request_id} on {self._address} ended without a finish event"
+        detail = f"{rpc} {request.request_id} on {self._address} ended without a finish event"
         raise EngineStreamError(detail) if started else EngineUnavailable(detail)
+
+    async def migrate_out(self, request_id: str, target: str) -> MigrationTicket:
+        """Cut a running request here (`MigrateOut`); its stream then ends with `Migrated` (the same ticket).
+        `MigrationRefusedError` when the agent refuses (not running, not movable, no migration capability);
+        `EngineUnavailable` when it cannot be reached."""
+        stub = await self._connected_stub()
+        try:
+            ticket = await stub.MigrateOut(
+                pb.MigrateOutRequest(request_id=request_id, target=target),
+                timeout=self._connect_timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            detail = f"MigrateOut {request_id} on {self._address}: {_describe_rpc_error(exc)}"
+            if exc.code() in _MIGRATION_REFUSED:
+                raise MigrationRefusedError(detail) from exc
+            raise EngineUnavailable(detail) from exc
+        return from_ticket(ticket)
+
+    def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        """Resume a migrated request here (`MigrateIn`) as `request.request_id`: its continuation's events,
+        like `generate` (admitted, the tokens after the cut, finished with the whole request's usage).
+        `EngineUnavailable` before the first event (refused, unreachable), `EngineStreamError` after."""
+        return self._resume(ticket, request)
+
+    async def _resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        message = pb.MigrateInRequest(
+            ticket=pb.MigrationTicket.FromString(ticket.encoded), request_id=request.request_id
+        )
+        stub = await self._connected_stub()
+        async for event in self._events(
+            request, stub.MigrateIn(message, metadata=self._metadata), "MigrateIn"
+        ):
+            yield event
 
     async def watch_state(self) -> AsyncIterator[EngineReport]:
         stub = await self._connected_stub()

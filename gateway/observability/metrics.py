@@ -322,6 +322,20 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "switchyard_migrations_total",
+            "Migrations by outcome: cut (an engine cut a request for this gateway), refused (the engine "
+            "would not cut it), resumed (on the named target), fallback (on another engine), failed (no "
+            "engine resumed it: the stream ended with an error)",
+            ["outcome"],
+            registry=r,
+        )
+        self.splice_stall = LoopHistogram(
+            "switchyard_migration_splice_stall_seconds",
+            "Gap the client saw at a migration: the source's last token to the resuming engine's first",
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
         self.admission = Counter(
             "switchyard_admission_total",
             "Requests at the admission gate by model and outcome (admitted at once, queued, rejected)",
@@ -335,7 +349,9 @@ class GatewayMetrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "switchyard_gateway_queue_depth", "Requests waiting in the gateway's admission queue", ["model"],
+            "switchyard_gateway_queue_depth",
+            "Requests waiting in the gateway's admission queue",
+            ["model"],
             registry=r,
         )
         self.queue_wait = LoopHistogram(

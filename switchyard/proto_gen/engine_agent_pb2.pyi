@@ -281,17 +281,31 @@ class LensState(_message.Message):
     def __init__(self, predicted_batch_latency_s: _Optional[float] = ..., pending_work_tokens: _Optional[float] = ..., effective_free_kv_blocks: _Optional[int] = ..., peak_throughput_tokens_per_s: _Optional[float] = ..., prediction_error_ratio: _Optional[float] = ..., slo_risk: _Optional[bool] = ...) -> None: ...
 
 class RequestPrediction(_message.Message):
-    __slots__ = ("request_id", "generated_tokens", "predicted_remaining_tokens")
+    __slots__ = ("request_id", "generated_tokens", "predicted_remaining_tokens", "current_tokens", "migratable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generated_tokens: int
     predicted_remaining_tokens: float
-    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., predicted_remaining_tokens: _Optional[float] = ...) -> None: ...
+    current_tokens: int
+    migratable: bool
+    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., predicted_remaining_tokens: _Optional[float] = ..., current_tokens: _Optional[int] = ..., migratable: _Optional[bool] = ...) -> None: ...
+
+class FutureLoad(_message.Message):
+    __slots__ = ("round", "tokens_per_round", "load")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    tokens_per_round: int
+    load: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, round: _Optional[int] = ..., tokens_per_round: _Optional[int] = ..., load: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EngineState(_message.Message):
-    __slots__ = ("identity", "seq", "timestamp_s", "ready", "draining", "num_running", "num_waiting", "num_preempted_total", "kv_blocks_total", "kv_blocks_free", "kv_blocks_reserved", "pending_prefill_tokens", "running_batch_tokens", "last_iteration_s", "iterations_total", "lens", "predictions")
+    __slots__ = ("identity", "seq", "timestamp_s", "ready", "draining", "num_running", "num_waiting", "num_preempted_total", "kv_blocks_total", "kv_blocks_free", "kv_blocks_reserved", "pending_prefill_tokens", "running_batch_tokens", "last_iteration_s", "iterations_total", "lens", "predictions", "future_load")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +323,7 @@ class EngineState(_message.Message):
     ITERATIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FUTURE_LOAD_FIELD_NUMBER: _ClassVar[int]
     identity: EngineIdentity
     seq: int
     timestamp_s: float
@@ -326,14 +341,15 @@ class EngineState(_message.Message):
     iterations_total: int
     lens: LensState
     predictions: _containers.RepeatedCompositeFieldContainer[RequestPrediction]
-    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., seq: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., running_batch_tokens: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., iterations_total: _Optional[int] = ..., lens: _Optional[_Union[LensState, _Mapping]] = ..., predictions: _Optional[_Iterable[_Union[RequestPrediction, _Mapping]]] = ...) -> None: ...
+    future_load: FutureLoad
+    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., seq: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., running_batch_tokens: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., iterations_total: _Optional[int] = ..., lens: _Optional[_Union[LensState, _Mapping]] = ..., predictions: _Optional[_Iterable[_Union[RequestPrediction, _Mapping]]] = ..., future_load: _Optional[_Union[FutureLoad, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("identity", "max_context_tokens", "block_size", "tokenizer", "max_num_seqs", "max_batched_tokens", "gpu_memory_gb", "hourly_price_usd", "tensor_parallel", "gpu", "eos_token_id", "hidden_size", "hidden_state_interval")
+    __slots__ = ("identity", "max_context_tokens", "block_size", "tokenizer", "max_num_seqs", "max_batched_tokens", "gpu_memory_gb", "hourly_price_usd", "tensor_parallel", "gpu", "eos_token_id", "hidden_size", "hidden_state_interval", "kv_bytes_per_token")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +363,7 @@ class EngineInfo(_message.Message):
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATE_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     identity: EngineIdentity
     max_context_tokens: int
     block_size: int
@@ -360,4 +377,5 @@ class EngineInfo(_message.Message):
     eos_token_id: int
     hidden_size: int
     hidden_state_interval: int
-    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., gpu_memory_gb: _Optional[float] = ..., hourly_price_usd: _Optional[float] = ..., tensor_parallel: _Optional[int] = ..., gpu: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., hidden_state_interval: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_token: int
+    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., tokenizer: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., gpu_memory_gb: _Optional[float] = ..., hourly_price_usd: _Optional[float] = ..., tensor_parallel: _Optional[int] = ..., gpu: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., hidden_size: _Optional[int] = ..., hidden_state_interval: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...

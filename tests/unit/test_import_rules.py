@@ -63,7 +63,7 @@ PURE_CORES = (
     PureCore("gateway/planning", (*GATEWAY_DOMAIN, "gateway.planning", "gateway.estimators",
                                   "engine_agent.sim")),
     PureCore("gateway/rescheduling", (*GATEWAY_DOMAIN, "gateway.rescheduling", "gateway.planning",
-                                      "gateway.estimators", "gateway.policies")),
+                                      "gateway.estimators", "gateway.policies", "switchyard.star_load")),
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
     PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim")),
 )

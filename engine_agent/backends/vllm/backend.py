@@ -206,6 +206,7 @@ class VllmBackend:
             tensor_parallel=int(parallel.tensor_parallel_size),
             hidden_size=hidden,
             hidden_state_interval=self._hidden_state_interval,
+            kv_bytes_per_token=self._kv_bytes_per_token,
         )
         self._state.set_capacity(max(blocks - 1, 0))
         self._lens = LensController(

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.cluster.state import ClusterState
-from gateway.domain import EngineDescription, EngineId, EngineReport, LensState
+from gateway.domain import EngineDescription, EngineId, EngineReport, FutureLoad, LensState, RequestPrediction
 
 A, B = EngineId("a"), EngineId("b")
 STATE_PY = Path(__file__).resolve().parents[3] / "gateway" / "cluster" / "state.py"
@@ -17,10 +17,22 @@ STATE_PY = Path(__file__).resolve().parents[3] / "gateway" / "cluster" / "state.
 
 def report(seq: int, engine_ts_s: float, engine_id: EngineId = A, **fields: Any) -> EngineReport:
     base: dict[str, Any] = {
-        "engine_id": engine_id, "model": "m", "profile": "p", "backend": "sim", "role": "", "seq": seq,
-        "engine_timestamp_s": engine_ts_s, "ready": True, "draining": False, "num_running": 0,
-        "num_waiting": 0, "kv_blocks_total": 100, "kv_blocks_free": 100, "kv_blocks_reserved": 0,
-        "pending_prefill_tokens": 0, "running_batch_tokens": 0,
+        "engine_id": engine_id,
+        "model": "m",
+        "profile": "p",
+        "backend": "sim",
+        "role": "",
+        "seq": seq,
+        "engine_timestamp_s": engine_ts_s,
+        "ready": True,
+        "draining": False,
+        "num_running": 0,
+        "num_waiting": 0,
+        "kv_blocks_total": 100,
+        "kv_blocks_free": 100,
+        "kv_blocks_reserved": 0,
+        "pending_prefill_tokens": 0,
+        "running_batch_tokens": 0,
     }
     return EngineReport(**(base | fields))
 
@@ -53,7 +65,12 @@ def test_lifecycle_from_added_to_ready_to_disconnected() -> None:
     state.on_report(A, report(1, 100.0, num_running=3, kv_blocks_free=40), 6.0)
     view = state.snapshot(6.25).engines[0]
     assert (view.ready, view.stale, view.state_age_s, view.num_running, view.kv_free_ratio) == (
-        True, False, 0.25, 3, 0.4)
+        True,
+        False,
+        0.25,
+        3,
+        0.4,
+    )
     state.on_disconnect(A)
     view = state.snapshot(6.5).engines[0]
     assert (view.engine_id, view.ready, view.num_running) == (A, False, 3)
@@ -100,7 +117,11 @@ def test_unreported_cleared_by_a_report_taken_after_the_dispatch() -> None:
     state.note_dispatch(A, "r2", 30, 10, "", 1000.2)
     view = state.snapshot(1000.2).engines[0]
     assert (view.inflight_requests, view.inflight_tokens, view.unreported_tokens, view.queue_length) == (
-        2, 160, 160, 2)
+        2,
+        160,
+        160,
+        2,
+    )
     state.on_report(A, report(3, 50.1), 1000.3)  # taken before the dispatch
     assert state.snapshot(1000.3).engines[0].unreported_requests == 2
     state.on_report(A, report(4, 50.25, num_running=2), 1000.35)
@@ -174,8 +195,14 @@ def test_state_module_imports_no_io_or_clock() -> None:
 
 def test_lens_state_and_last_iteration_reach_the_view() -> None:
     state = connected(A, now_s=0.0)
-    lens = LensState(predicted_batch_latency_s=0.02, pending_work_tokens=900.0, effective_free_kv_blocks=70,
-                     peak_throughput_tokens_per_s=12_000.0, prediction_error_ratio=0.1, slo_risk=True)
+    lens = LensState(
+        predicted_batch_latency_s=0.02,
+        pending_work_tokens=900.0,
+        effective_free_kv_blocks=70,
+        peak_throughput_tokens_per_s=12_000.0,
+        prediction_error_ratio=0.1,
+        slo_risk=True,
+    )
     state.on_report(A, report(2, 0.1, lens=lens, last_iteration_s=0.03), 0.1)
     view = state.snapshot(0.1).engines[0]
     assert (view.lens, view.last_iteration_s) == (lens, 0.03)
@@ -205,11 +232,17 @@ def test_latency_window_means_and_expiry() -> None:
     state.note_latency(EngineId("gone"), 1.0, 1.0, 2.0)  # unknown engine: ignored
     view = state.snapshot(2.5).engines[0]
     assert (view.recent_ttft_s, view.recent_e2e_s, view.recent_latency_samples) == (
-        pytest.approx(0.2), pytest.approx(4 / 3), 3)
+        pytest.approx(0.2),
+        pytest.approx(4 / 3),
+        3,
+    )
     assert state.snapshot(2.5).engines[1].recent_latency_samples == 0
     view = state.snapshot(3.0).engines[0]  # the sample at 1.0 is 2 s old: out
     assert (view.recent_ttft_s, view.recent_e2e_s, view.recent_latency_samples) == (
-        pytest.approx(0.2), pytest.approx(1.5), 2)  # running sums: exact up to rounding
+        pytest.approx(0.2),
+        pytest.approx(1.5),
+        2,
+    )  # running sums: exact up to rounding
     assert state.snapshot(4.0).engines[0].recent_latency_samples == 0
     with pytest.raises(ValueError):
         ClusterState(latency_window_s=0.0)
@@ -224,3 +257,24 @@ def test_a_cached_snapshot_is_not_reused_past_a_latency_sample_s_expiry() -> Non
     first = state.snapshot(0.5)
     assert first.engines[0].recent_latency_samples == 1 and state.snapshot(0.9) is first
     assert state.snapshot(1.0).engines[0].recent_latency_samples == 0
+
+
+def test_star_predictions_are_kept_per_round_and_dropped_when_stale_or_disconnected() -> None:
+    state = connected(A, now_s=0.0)
+    preds = (
+        RequestPrediction("r1", current_tokens=500, predicted_remaining_tokens=120.0, generated_tokens=40),
+    )
+    load = FutureLoad(round=1, round_tokens=20, load=(520.0, 540.0))
+    state.on_report(A, report(2, 0.1, predictions=preds, future_load=load), 0.1)
+    state.on_report(A, report(3, 0.2), 0.2)  # no new round in this push: the last round's figures stay
+    view = state.snapshot(0.2).engines[0]
+    assert (view.predictions, view.future_load) == (preds, load)
+    assert state.engine_of("r1") is None  # predictions are the engine's; dispatches are the gateway's
+    state.note_dispatch(A, "r1", 10, 10, "", 0.2)
+    assert state.engine_of("r1") == A
+    stale = state.snapshot(5.0).engines[0]
+    assert stale.stale and stale.predictions == () and stale.future_load is None
+    state.on_disconnect(A)
+    state.on_connect(A)
+    state.on_report(A, report(1, 6.0), 6.0)
+    assert state.snapshot(6.0).engines[0].future_load is None

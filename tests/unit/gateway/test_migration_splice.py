@@ -1,0 +1,179 @@
+"""The stream splice (STAR §5.4): a choice whose engine stream ends with `Migrated` is resumed elsewhere and
+the client sees one stream, every token once. Fakes play the engines behind the real app; every fault the
+splice handles has a case here: the named target refuses (the policy's next engine resumes), every other
+engine refuses (the source resumes), nobody can (one error event, no repeated text), a gap in the positions
+(error), duplicates (dropped), the resumed stream failing, a second migration."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fake_engines import MODEL, FakeEngine, Script, script, serving
+
+from gateway.app import METRICS_KEY
+from gateway.domain import (
+    Admitted,
+    Delta,
+    EngineRequest,
+    EngineStreamError,
+    EngineUnavailable,
+    Finished,
+    Migrated,
+    MigrationTicket,
+    StreamEvent,
+)
+from gateway.engines.base import MigratingClient
+
+CHAT = "/v1/chat/completions"
+
+
+class MovingEngine(FakeEngine):
+    """A fake that also resumes migrated requests (`resume` plays `resume_script`)."""
+
+    def __init__(self, engine_id: str, generate_script: Script, resume_script: Script | None = None) -> None:
+        super().__init__(engine_id, generate_script)
+        self.resume_script = resume_script
+        self.resumed: list[MigrationTicket] = []
+
+    async def migrate_out(self, request_id: str, target: str) -> MigrationTicket:
+        raise AssertionError("the splice never cuts")
+
+    def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        self.resumed.append(ticket)
+        return self._play(
+            self.resume_script or script(EngineUnavailable(f"{self.engine_id} refuses")), request
+        )
+
+    async def _play(self, steps: Script, request: EngineRequest) -> AsyncIterator[StreamEvent]:
+        try:
+            for step in steps(request):
+                if isinstance(step, Exception):
+                    raise step
+                if isinstance(step, float):
+                    continue
+                yield step
+        finally:
+            self.closed_streams += 1
+
+
+def ticket(out: int, target: str = "t", source: str = "s") -> MigrationTicket:
+    return MigrationTicket(
+        request_id="r1",
+        source_engine_id=source,
+        target=target,
+        output_tokens=out,
+        kv_tokens=10,
+        kv_bytes=1000,
+        encoded=b"opaque",
+    )
+
+
+def tok(text: str, token: int) -> Delta:
+    return Delta(text, token_ids=(token,), num_tokens=1)
+
+
+SOURCE = script(Admitted(5), tok("a", 1), tok("b", 2), Migrated(ticket(2)))
+CONTINUATION = script(Admitted(5), tok("c", 3), tok("d", 4), Finished("stop", 5, 4))
+
+
+async def stream(client: Any) -> tuple[str, list[dict[str, Any]]]:
+    """(the content the client saw, every data object)."""
+    resp = await client.post(
+        CHAT,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        headers={"x-request-id": "r1"},
+    )
+    assert resp.status == 200
+    objs = [
+        orjson.loads(line[6:]) for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {")
+    ]
+    text = "".join(c["delta"].get("content") or "" for o in objs for c in o.get("choices", ()))
+    return text, objs
+
+
+async def migrations(client: Any) -> str:
+    return "\n".join(
+        line
+        for line in (await (await client.get("/metrics")).text()).splitlines()
+        if line.startswith("switchyard_migrations_total")
+    )
+
+
+async def test_a_migrated_stream_resumes_on_the_named_target_and_reads_as_one() -> None:
+    source = MovingEngine("s", SOURCE)
+    target = MovingEngine("t", script(), CONTINUATION)
+    assert isinstance(target, MigratingClient)
+    async with serving(source, target) as client:
+        # The fakes answer in engine-id order under round robin: "s" first.
+        text, objs = await stream(client)
+        assert text == "abcd"
+        assert objs[-1]["usage"]["completion_tokens"] == 4  # the resumed engine's finish counts the request
+        assert [t.output_tokens for t in target.resumed] == [2]
+        assert 'outcome="resumed"} 1.0' in await migrations(client)
+        snapshot_text = await (await client.get("/metrics")).text()
+    assert "switchyard_requests_in_flight 0.0" in snapshot_text
+    assert source.closed_streams == 1 and target.closed_streams == 1
+
+
+async def test_a_refusing_target_falls_back_to_another_engine_then_to_the_source() -> None:
+    source = MovingEngine("s", SOURCE, CONTINUATION)
+    refusing = MovingEngine("t", script())
+    other = MovingEngine("u", script())
+    async with serving(source, refusing, other) as client:
+        text, _ = await stream(client)
+        assert text == "abcd"  # t refused, u refused, the source resumed its own cut
+        assert len(refusing.resumed) == 1 and len(other.resumed) == 1 and len(source.resumed) == 1
+        assert 'outcome="fallback"} 1.0' in await migrations(client)
+
+    fallback = MovingEngine("u", script(), CONTINUATION)
+    async with serving(MovingEngine("s", SOURCE), MovingEngine("t", script()), fallback) as client:
+        text, _ = await stream(client)
+        assert text == "abcd" and len(fallback.resumed) == 1
+
+
+async def test_when_no_engine_resumes_the_stream_ends_with_one_error_and_no_repeated_text() -> None:
+    async with serving(MovingEngine("s", SOURCE), MovingEngine("t", script())) as client:
+        text, objs = await stream(client)
+        assert text == "ab"
+        errors = [o for o in objs if "error" in o]
+        assert len(errors) == 1 and "resume" in errors[0]["error"]["message"]
+        assert 'outcome="failed"} 1.0' in await migrations(client)
+
+
+async def test_a_gap_in_the_positions_is_an_error_and_duplicates_are_dropped() -> None:
+    gap = script(Admitted(5), tok("a", 1), Migrated(ticket(2)))  # the client has 1 token, the cut says 2
+    target = MovingEngine("t", script(), CONTINUATION)
+    async with serving(MovingEngine("s", gap), target) as client:
+        text, objs = await stream(client)
+        assert text == "a" and not target.resumed
+        assert "lost" in next(o for o in objs if "error" in o)["error"]["message"]
+
+    early_cut = script(Admitted(5), tok("a", 1), tok("b", 2), Migrated(ticket(1)))  # the client has one more
+    replay = script(Admitted(5), tok("b", 2), tok("c", 3), Finished("stop", 5, 3))
+    async with serving(MovingEngine("s", early_cut), MovingEngine("t", script(), replay)) as client:
+        text, _ = await stream(client)
+        assert text == "abc"  # the resumed stream's first token was the client's second: dropped
+
+
+async def test_a_resumed_stream_that_fails_ends_with_an_error_and_a_second_migration_is_followed() -> None:
+    broken = script(Admitted(5), tok("c", 3), EngineStreamError("target died"))
+    async with serving(MovingEngine("s", SOURCE), MovingEngine("t", script(), broken)) as client:
+        text, objs = await stream(client)
+        assert text == "abc" and sum("error" in o for o in objs) == 1
+
+    hop = script(Admitted(5), tok("c", 3), Migrated(ticket(3, target="u", source="t")))
+    last = script(Admitted(5), tok("d", 4), Finished("length", 5, 4))
+    u = MovingEngine("u", script(), last)
+    async with serving(MovingEngine("s", SOURCE), MovingEngine("t", script(), hop), u) as client:
+        text, objs = await stream(client)
+        assert text == "abcd" and objs[-2]["choices"][0]["finish_reason"] == "length"
+        assert [t.output_tokens for t in u.resumed] == [3]
+        app = client.server.app
+        assert app[METRICS_KEY].migrations.labels("resumed")._value.get() == 2
