@@ -2,8 +2,9 @@
 
 Owns: the flags (shared ones on every command), one-line operator errors (exit 2) for bad flags, a missing
 data directory, an unknown dataset or an unreachable target, building the workload (dataset -> prepared
-requests -> schedule), calling live replay, the simulator or the comparison, printing the summary, and writing
-the results JSON and (lazily imported) plots.
+requests -> schedule), calling live replay, the simulator or the comparison (once per STAR rescheduling arm
+with ``--reschedule``; each run records its arm and its load-balance figures), printing the summary, and
+writing the results JSON and (lazily imported) plots.
 Must not: measure requests (``loadgen.live``), model engines or route (``loadgen.simulate``), compute metrics
 (``loadgen.metrics``) or install an event loop policy (``loadgen.__main__`` picks the loop).
 
@@ -21,6 +22,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,10 +30,12 @@ import aiohttp
 import orjson
 from pydantic import ValidationError
 
+from engine_agent.star.predictor import LengthPredictor
 from engine_agent.tokenization import Tokenizer
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.compare import (
     ABLATION_ARMS,
+    Variant,
     ablation_variants,
     build_variants,
     comparison_document,
@@ -41,7 +45,13 @@ from loadgen.compare import (
     run_comparison,
     with_deciders,
 )
-from loadgen.datasets import Request, dataset_names, load_dataset
+from loadgen.datasets import (
+    OUTPUT_LENGTH_DISTRIBUTIONS,
+    Request,
+    dataset_names,
+    load_dataset,
+    with_output_lengths,
+)
 from loadgen.live import (
     EngineTokenizer,
     LiveOptions,
@@ -55,6 +65,8 @@ from loadgen.metrics import Outcome, Slo, Summary, parse_slo, summarize
 from loadgen.paths import DataDirNotFoundError, resolve_data_dir
 from loadgen.results import write_results
 from loadgen.simulate import DECIDER_ASSIGNMENTS, EngineSpec, SimOptions, parse_engines, simulate
+from loadgen.simulate.balance import balance_figures, format_balance_table
+from loadgen.simulate.spec import PREDICTOR_BINS, RESCHEDULE_ARMS, RescheduleArm
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -108,6 +120,16 @@ def _seed_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _arms(text: str) -> tuple[RescheduleArm, ...]:
+    """"none,star-oracle" -> ("none", "star-oracle"): known arms, none repeated."""
+    arms = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [a for a in arms if a not in RESCHEDULE_ARMS]
+    if not arms or unknown or len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(f"expected distinct arms among {', '.join(RESCHEDULE_ARMS)}, "
+                                         f"got {text!r}")
+    return tuple(a for arm in arms for a in RESCHEDULE_ARMS if a == arm)
+
+
 def _common_flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("workload and output (all commands)")
@@ -125,6 +147,10 @@ def _common_flags() -> argparse.ArgumentParser:
     g.add_argument("--duration", type=_positive_float, metavar="S",
                    help="trace window length (s, timestamps)")
     g.add_argument("--num-requests", type=int, metavar="N", help="requests to replay (default: all)")
+    g.add_argument("--output-lengths", choices=tuple(OUTPUT_LENGTH_DISTRIBUTIONS),
+                   help="force every request's output length to a seeded draw matching STAR's Table 2 "
+                        "(DeepSeek-R1-Distill-Qwen-7B on ShareGPT or Alpaca; prompt + output <= 32768); "
+                        "default: the dataset's own")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--slo", metavar="ttft=MS,tpot=MS,e2e=MS", help="SLO for goodput and attainment")
     g.add_argument("--output", metavar="PATH",
@@ -160,6 +186,30 @@ def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
     p.add_argument("--decider-assignment", choices=DECIDER_ASSIGNMENTS, default="random",
                    help="how requests reach workers: random (a connection per request, a seeded uniform "
                         "draw) or session (a keep-alive connection per session: a hash of the session id)")
+    _star_flags(p.add_argument_group("STAR rescheduling (paper 003; docs/star.md)"), single_policy)
+
+
+def _star_flags(g: argparse._ArgumentGroup, single_arm: bool) -> None:
+    g.add_argument("--reschedule", type=_arms, metavar="ARM" if single_arm else "ARM1,ARM2,...",
+                   help=f"one of {', '.join(RESCHEDULE_ARMS)}" + ("" if single_arm else ", or several: every "
+                        "variant runs once per arm") + "; given at all, the run records its load-balance "
+                        "figures (migrations, splice stall, preemptions, peak KV, execution-time variance)")
+    g.add_argument("--reschedule-interval-s", type=_positive_float, default=0.5,
+                   help="how often each gateway worker's rescheduler proposes a migration")
+    g.add_argument("--reschedule-param", action="append", default=[], metavar="K=V",
+                   help="Algorithm 1 parameter (theta, horizon, beta, assume_kv_bytes_per_token); repeatable")
+    g.add_argument("--kv-link-gbps", type=_positive_float, default=25.0,
+                   help="decode-to-decode KV link in Gbit/s: the rescheduler's C_mig and the modelled pull")
+    g.add_argument("--kv-transfer-latency-ms", type=float, default=2.0,
+                   help="fixed latency added to every modelled KV pull")
+    g.add_argument("--prediction-interval", type=_positive_int, default=20, metavar="K",
+                   help="decode steps per prediction round (engines report predictions every K steps)")
+    g.add_argument("--predictor", metavar="FILE",
+                   help="the star arm's length predictor (switchyard predictor train), read on the sim's "
+                        "synthetic hidden states")
+    g.add_argument("--predictor-bins", type=int, choices=PREDICTOR_BINS,
+                   help="the star arm without a predictor file: the exact remaining length quantised to its "
+                        "STAR Table 3 bin's midpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,12 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _policy_params(items: Sequence[str]) -> dict[str, Any]:
+def _policy_params(items: Sequence[str], flag: str = "--policy-param") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise UsageError(f"--policy-param: expected KEY=VALUE, got {item!r}")
+            raise UsageError(f"{flag}: expected KEY=VALUE, got {item!r}")
         try:
             out[key.strip()] = json.loads(raw)
         except ValueError:
@@ -231,7 +281,8 @@ def arrival_spec(args: argparse.Namespace) -> ArrivalSpec:
 
 
 def load_requests(args: argparse.Namespace, tokenizer: Tokenizer, *, synthesize: bool) -> list[Request]:
-    """The dataset's requests, windowed and cut, with exact prompt lengths for ``tokenizer``."""
+    """The dataset's requests, windowed and cut, with exact prompt lengths for ``tokenizer`` (and output
+    lengths drawn from ``--output-lengths`` when given)."""
     if args.num_requests is not None and args.num_requests < 1:
         raise UsageError(f"--num-requests must be >= 1, got {args.num_requests}")
     is_path = args.dataset.startswith(("jsonl:", "sharegpt:"))
@@ -245,7 +296,10 @@ def load_requests(args: argparse.Namespace, tokenizer: Tokenizer, *, synthesize:
     requests = load_dataset(args.dataset, data_dir, num_requests=args.num_requests, seed=args.seed, **window)
     if not requests:
         raise UsageError(f"dataset {args.dataset!r} gave no requests (check --start/--duration)")
-    return prepare_requests(requests, EngineTokenizer(tokenizer), seed=args.seed, synthesize=synthesize)
+    prepared = prepare_requests(requests, EngineTokenizer(tokenizer), seed=args.seed, synthesize=synthesize)
+    if args.output_lengths:  # after preparing, so the 32K cut sees exact prompt lengths
+        return with_output_lengths(prepared, args.output_lengths, seed=args.seed)
+    return prepared
 
 
 def _slo(args: argparse.Namespace) -> Slo | None:
@@ -254,7 +308,8 @@ def _slo(args: argparse.Namespace) -> Slo | None:
 
 def _base_config(args: argparse.Namespace, spec: ArrivalSpec) -> dict[str, Any]:
     return {"command": args.command, "dataset": args.dataset, "data_dir": args.data_dir,
-            "num_requests": args.num_requests, "arrivals": spec, "slo": args.slo, "model": args.model}
+            "num_requests": args.num_requests, "output_lengths": args.output_lengths, "arrivals": spec,
+            "slo": args.slo, "model": args.model}
 
 
 def _print_summary(title: str, summary: Summary) -> None:
@@ -308,10 +363,20 @@ def _report_live(args: argparse.Namespace, spec: ArrivalSpec, result: LiveResult
     return 0 if summary.completed else 1
 
 
-def _sim_options(args: argparse.Namespace, policy: str, deciders: int = 1) -> SimOptions:
-    """The simulator's options; --slo's TTFT and TPOT travel with every request (as x-slo-* headers would)."""
+def _sim_options(args: argparse.Namespace, policy: str, engines: Sequence[EngineSpec], deciders: int = 1,
+                 arm: RescheduleArm = "none") -> SimOptions:
+    """The simulator's options; --slo's TTFT and TPOT travel with every request (as x-slo-* headers would).
+    STAR: `arm`; the predictor file, when given, is read here (checked against the first engine's model)."""
+    from engine_agent.sim.profiles import get_profile  # noqa: PLC0415
+
     slo = _slo(args)
     ttft_ms, tpot_ms = (slo.ttft_ms, slo.tpot_ms) if slo is not None else (None, None)
+    predictor = None
+    if args.predictor:
+        hidden_size = get_profile(engines[0].profile).model.hidden_size
+        predictor = LengthPredictor.load(Path(args.predictor), expected_hidden_size=hidden_size)
+    if args.kv_transfer_latency_ms < 0:
+        raise UsageError(f"--kv-transfer-latency-ms must be >= 0, got {args.kv_transfer_latency_ms}")
     return SimOptions(policy=policy, policy_params=_policy_params(args.policy_param),
                       state_interval_s=args.state_interval_ms / 1000.0,
                       report_delay_s=args.report_delay_ms / 1000.0,
@@ -319,7 +384,35 @@ def _sim_options(args: argparse.Namespace, policy: str, deciders: int = 1) -> Si
                       lens_state=False if args.no_lens_state else None,
                       slo_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
                       slo_tpot_s=tpot_ms / 1000.0 if tpot_ms is not None else None,
-                      deciders=deciders, decider_assignment=args.decider_assignment)
+                      deciders=deciders, decider_assignment=args.decider_assignment,
+                      reschedule=arm, reschedule_interval_s=args.reschedule_interval_s,
+                      reschedule_params=_policy_params(args.reschedule_param, "--reschedule-param"),
+                      kv_link_gbps=args.kv_link_gbps,
+                      kv_transfer_latency_s=args.kv_transfer_latency_ms / 1000.0,
+                      prediction_interval=args.prediction_interval, predictor=predictor,
+                      predictor_bins=args.predictor_bins, balance_figures=args.reschedule is not None)
+
+
+def _star_config(args: argparse.Namespace) -> dict[str, Any]:
+    """What a results file records of the STAR options (None arms: rescheduling was not simulated)."""
+    return {"reschedule_interval_s": args.reschedule_interval_s,
+            "reschedule_params": _policy_params(args.reschedule_param, "--reschedule-param"),
+            "kv_link_gbps": args.kv_link_gbps, "kv_transfer_latency_ms": args.kv_transfer_latency_ms,
+            "prediction_interval": args.prediction_interval, "predictor": args.predictor,
+            "predictor_bins": args.predictor_bins}
+
+
+def _print_balance(balance: dict[str, Any]) -> None:
+    moves = balance["migrations"]
+    stall = balance["splice_stall_ms"]["p99"]
+    print(f"{'Migrations (cut/resumed/fallback):':<36}{moves['cut']} / {moves['resumed']} / "
+          f"{moves['fallback']} "
+          f"(refused {moves['refused']}, failed {moves['failed']}); KV moved "
+          f"{balance['kv_bytes_moved'] / 1e9:.2f} GB; splice stall p99 "
+          f"{'-' if stall is None else f'{stall:.1f}'} ms")
+    peak = balance["peak_kv_used_ratio"]
+    print(f"{'Preemptions; peak KV use:':<36}{balance['preemptions']}; "
+          f"{'-' if peak is None else f'{peak:.1%}'}")
 
 
 def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> None:
@@ -335,11 +428,17 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
 
     engines = parse_engines(args.engines)
     _check_model(args, engines)
-    options = _sim_options(args, args.policy, args.deciders)
+    if args.reschedule is not None and len(args.reschedule) > 1:
+        raise UsageError("simulate runs one --reschedule arm; compare runs several")
+    arm: RescheduleArm = args.reschedule[0] if args.reschedule else "none"
+    options = _sim_options(args, args.policy, engines, args.deciders, arm)
     make_policy(options.policy, options.policy_params)  # unknown policy or parameter: a usage error, up front
     result = simulate(schedule(requests, spec), engines, options)
     summary = summarize(result.outcomes, max(result.duration_s, 1e-9), _slo(args))
-    _print_summary(f"simulated: {args.policy} on {args.engines}", summary)
+    _print_summary(f"simulated: {args.policy} on {args.engines}"
+                   + (f", reschedule {arm}" if args.reschedule else ""), summary)
+    if result.balance is not None:
+        _print_balance(result.balance)
     if options.deciders > 1:
         print(f"{'Decisions per decider:':<36}{' / '.join(str(d['decisions']) for d in result.per_decider)} "
               f"({options.decider_assignment})")
@@ -347,12 +446,14 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
           f"({result.simulated_s_per_wall_s:.1f} simulated s per wall s)")
     extra = {"per_engine": result.per_engine, "per_decider": result.per_decider, "sim_wall_s": result.wall_s,
              "events_processed": result.events_processed,
-             "simulated_s_per_wall_s": result.simulated_s_per_wall_s, "timeline": result.timeline}
+             "simulated_s_per_wall_s": result.simulated_s_per_wall_s, "timeline": result.timeline,
+             "balance": result.balance}
     config = {**_base_config(args, spec), "engines": args.engines, "policy": args.policy,
               "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,
               "report_delay_ms": args.report_delay_ms, "lens": args.lens,
               "lens_state": not args.no_lens_state, "deciders": args.deciders,
-              "decider_assignment": args.decider_assignment}
+              "decider_assignment": args.decider_assignment,
+              "reschedule": arm if args.reschedule else None, **_star_config(args)}
     _write(args, {**summary.to_dict(), **extra}, config, result.outcomes, result.timeline,
            f"simulated {args.dataset}: {args.policy} on {args.engines}")
     return 0 if summary.completed else 1
@@ -379,16 +480,16 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
     variants = with_deciders(ablation_variants(fleets, params) if args.ablation
                              else build_variants(policies, fleets, params), args.deciders)
     seeds = args.seeds
-    runs = run_comparison(requests, spec, variants, _sim_options(args, policies[0]), rates=rates, seeds=seeds,
-                          slo=_slo(args), on_run=lambda run: print(f"done: {run['label']} at rate "
-                                                                   f"{run['rate']} seed {run['seed']}",
-                                                                   file=sys.stderr))
+    runs = _arm_runs(args, requests, spec, variants, _sim_options(args, policies[0], fleets[0]), rates, seeds)
     means = mean_over_seeds(runs) if seeds is not None and len(seeds) > 1 else None
     shown = runs if means is None else [{**run, "label": f"{run['label']} s={run['seed']}"} for run in runs]
     print(format_table(shown))
     shares = format_share_table(shown)
     if shares:
         print(shares)
+    balance = format_balance_table(shown)
+    if balance:
+        print(balance)
     if means is not None:
         print(f"mean over seeds {','.join(str(seed) for seed in seeds)}")
         print(format_table(means))
@@ -400,7 +501,8 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
                   "ablation": args.ablation, "deciders": list(args.deciders),
                   "decider_assignment": args.decider_assignment,
                   "state_interval_ms": args.state_interval_ms, "report_delay_ms": args.report_delay_ms,
-                  "seeds": list(seeds) if seeds is not None else None}
+                  "seeds": list(seeds) if seeds is not None else None,
+                  "reschedule": list(args.reschedule) if args.reschedule else None, **_star_config(args)}
         document = comparison_document(runs, config, means=means, timelines=not args.no_timelines)
         path.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
         print(f"results: {path}")
@@ -411,6 +513,30 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
                                  f"{args.dataset}: latency vs load")
             print(f"plot: {png}")
     return 0
+
+
+def _arm_runs(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec,
+              variants: Sequence[Variant], options: SimOptions, rates: list[float] | None,
+              seeds: Sequence[int] | None) -> list[dict[str, Any]]:
+    """`run_comparison` once per `--reschedule` arm (one pass without it), each run recording its arm
+    (`reschedule`, None without the flag) and its load-balance figures (`balance`); labels gain the arm when
+    there are several. Runs in (rate, seed) order, then arm, then variant."""
+    arms: Sequence[RescheduleArm | None] = args.reschedule or (None,)
+    per_arm = [replace(options, reschedule=arm or "none") for arm in arms]  # every arm checked up front
+    runs: list[dict[str, Any]] = []
+    for arm, opts in zip(arms, per_arm, strict=True):
+        labelled = [replace(v, label=f"{v.label} {arm}") for v in variants] if len(arms) > 1 else variants
+        for run in run_comparison(requests, spec, labelled, opts, rates=rates, seeds=seeds, slo=_slo(args),
+                                  on_run=lambda run: print(f"done: {run['label']} at rate {run['rate']} seed "
+                                                           f"{run['seed']}", file=sys.stderr)):
+            run["reschedule"] = arm
+            run["balance"] = (None if arm is None else balance_figures(
+                run["per_engine"], run["per_decider"], run["timeline"], run["summary"]["duration"]))
+            runs.append(run)
+    order: dict[tuple[str, Any], int] = {}
+    for run in runs:
+        order.setdefault((str(run["rate"]), run["seed"]), len(order))
+    return sorted(runs, key=lambda run: order[(str(run["rate"]), run["seed"])])
 
 
 def main(argv: Sequence[str] | None = None, *, loop_factory: LoopFactory | None = None) -> int:

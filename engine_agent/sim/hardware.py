@@ -78,6 +78,7 @@ class ModelShape:
     max_context_tokens: int  # max_position_embeddings
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q, k and v
+    qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head (2 * head_dim weights per layer, no matmul)
     dtype_bytes: int = BF16_BYTES
 
     @property
@@ -99,7 +100,7 @@ class ModelShape:
         if self.qkv_bias:
             attention += self.q_dim + 2 * self.kv_dim
         mlp = 3 * h * self.intermediate_size
-        norms = 2 * h
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return attention + mlp + norms
 
     @property
@@ -134,4 +135,13 @@ MODELS: dict[str, ModelShape] = {
     "qwen2.5-14b": ModelShape("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, 32768, qkv_bias=True),
     # meta-llama/Meta-Llama-3-70B config.json (70.6e9 parameters derived).
     "llama3-70b": ModelShape("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    # deepseek-ai/DeepSeek-R1-Distill-Qwen-7B config.json: the Qwen2.5-7B architecture (q/k/v biases, untied
+    # LM head), max_position_embeddings 131072 (7.62e9 parameters derived, as Qwen2.5-7B's card). STAR (§6)
+    # serves it with at most 32K tokens of prompt plus output; its hidden size d = 3584 is STAR's predictor
+    # input.
+    "deepseek-r1-distill-qwen-7b": ModelShape("deepseek-r1-distill-qwen-7b", 28, 3584, 28, 4, 18944, 152064,
+                                              131072, qkv_bias=True),
+    # Qwen/Qwen3-14B config.json: head_dim 128 (= 5120 / 40), q/k RMSNorm, no biases, untied LM head,
+    # max_position_embeddings 40960 (14.77e9 parameters derived; the card says 14.8B, 13.2B non-embedding).
+    "qwen3-14b": ModelShape("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, 40960, qk_norm=True),
 }

@@ -14,15 +14,18 @@ from loadgen.datasets.request import (
     estimate_tokens,
     text_request,
 )
+from loadgen.datasets.star_lengths import OUTPUT_LENGTH_DISTRIBUTIONS, LengthDistribution, with_output_lengths
 from loadgen.datasets.synth import fill_prompts, synthesize_prompt_text, synthesize_prompt_token_ids
 from loadgen.datasets.text import DatasetFormatError, alpaca_prompt
 from loadgen.datasets.traces import parse_azure_timestamp_ticks
 
 __all__ = [
     "DATASETS",
+    "OUTPUT_LENGTH_DISTRIBUTIONS",
     "DatasetFormatError",
     "DatasetSpec",
     "EncodingLike",
+    "LengthDistribution",
     "Message",
     "Request",
     "TokenizerLike",
@@ -37,4 +40,5 @@ __all__ = [
     "synthesize_prompt_text",
     "synthesize_prompt_token_ids",
     "text_request",
+    "with_output_lengths",
 ]

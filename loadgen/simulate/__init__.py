@@ -2,7 +2,8 @@
 
 Owns: the public entry point `simulate(schedule, engines, options, *, progress=None) -> SimResult` and its
 types `EngineSpec` / `parse_engines`, `SimOptions`, `SimResult`, `DeciderAssignment` / `DECIDER_ASSIGNMENTS`
-(re-exported here; the modules are `spec`, `reports`, `fleet`, `deciders` and `runner`).
+(re-exported here; the modules are `spec`, `reports`, `fleet`, `deciders`, `runner`, and for STAR's
+rescheduling `predictions`, `migrations` and `balance`).
 Must not: implement routing, cluster accounting or engine behaviour of its own: it drives the shipped code.
 
 Semantics
@@ -51,6 +52,14 @@ Semantics
   stay deterministic. `slo_ttft_s` / `slo_tpot_s` travel with every request (features and engine), and each
   finish is noted with `ClusterState.note_latency` (TTFT and E2E from the dispatch), as the live dispatcher
   does.
+- STAR (`SimOptions.reschedule`, paper 003): engines push prediction rounds every k decode steps
+  (`predictions`), each gateway worker runs the live rescheduler (`gateway.rescheduling.star.propose`) every
+  `reschedule_interval_s` as a sync point of its own, under the live mover's limits, cuts with
+  `SimEngine.migrate_out`, and follows each cut with the request life's splice decisions
+  (`ChoiceLife.on_migrated` / `follow`) and the engine's migrated-request admission (`migrations`). A follow
+  is a sync point too: when the source's iteration holding the cut's last token is delivered. The
+  load-balance figures (migrations, splice stall, preemptions, peak KV, execution-time variance) are
+  `balance`'s.
 """
 
 from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment

@@ -1,23 +1,26 @@
 """The simulated fleet: one `SimEngine` per engine, with its report stream and its counters.
 
 Owns: `SimNode` (an engine with its LENS (`SimLens`: planning per `EngineSpec.lens`, else
-`SimOptions.lens_planning`; none when neither planning nor `SimOptions.lens_state`), its `ReportFeed`, whether
-an iteration is in flight and that iteration's result, per-engine totals), `build_fleet` (engine ids
-`{profile}-{i}`, numbered from 0 per profile in spec order, the same model names live agents report) and
-`PromptIds` (shared prompt token-id tuples by length).
+`SimOptions.lens_planning`; none when neither planning nor `SimOptions.lens_state`), its `ReportFeed`, its
+STAR prediction rounds when a rescheduling arm runs, whether an iteration is in flight and that iteration's
+result, per-engine totals and load-balance figures), `build_fleet` (engine ids `{profile}-{i}`, numbered
+from 0 per profile in spec order, the same model names live agents report; one synthetic hidden-state
+generator per model for a length predictor) and `PromptIds` (shared prompt token-id tuples by length).
 Must not: order events, call policies or read clocks (that is `loadgen.simulate.runner`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine_agent.sim.engine import SimEngine, StepResult
+from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.profiles import get_profile
 from gateway.domain import EngineId
+from loadgen.simulate.predictions import PredictionRounds, remaining_lengths
 from loadgen.simulate.reports import ReportFeed, describe_engine
 from loadgen.simulate.spec import LENS_STATE_POLICIES, EngineSpec, SimOptions
 
@@ -50,8 +53,8 @@ class SimNode:
     """One simulated engine and everything the runner tracks about it."""
 
     __slots__ = ("engine_id", "profile_name", "model", "engine", "feed", "busy", "done_s", "result",
-                 "requests",
-                 "output_tokens", "busy_s", "empty_steps")
+                 "requests", "output_tokens", "busy_s", "empty_steps", "rounds", "in_flight",
+                 "min_free_blocks", "migrations_out", "migrations_in")
 
     def __init__(self, engine_id: str, profile_name: str, options: SimOptions,
                  lens_planning: bool | None = None) -> None:
@@ -74,14 +77,34 @@ class SimNode:
         self.output_tokens = 0
         self.busy_s = 0.0  # summed iteration time (an empty iteration counts its retry delay)
         self.empty_steps = 0  # iterations that scheduled nothing
+        self.rounds: PredictionRounds | None = None  # STAR's prediction rounds (a rescheduling arm runs)
+        # Requests in flight here, in arrival order: id -> (prompt tokens, its delivered token times)
+        self.in_flight: dict[str, tuple[int, list[float]]] = {}
+        self.min_free_blocks = profile.kv_blocks_total  # after any delivered iteration: the peak KV use
+        self.migrations_out = 0  # requests cut here
+        self.migrations_in = 0  # migrated requests resumed here
+
+    def in_flight_requests(self) -> Iterator[tuple[str, int, int]]:
+        """(id, prompt tokens, output tokens delivered so far) of each request in flight here."""
+        return ((rid, prompt, len(times)) for rid, (prompt, times) in self.in_flight.items())
 
     def iterations(self) -> int:
         """Iterations the engine ran (empty ones not counted)."""
         return self.engine.stats(0.0).iterations_total
 
-    def totals(self) -> dict[str, Any]:
-        return {"profile": self.profile_name, "requests": self.requests, "output_tokens": self.output_tokens,
-                "busy_s": self.busy_s, "iterations": self.iterations()}
+    def totals(self, balance: bool = False) -> dict[str, Any]:
+        """The engine's totals; with `balance`, also its preemptions, its peak KV use (the fullest cache
+        after any iteration, a ratio) and the migrations it was the source and the resuming engine of."""
+        out: dict[str, Any] = {"profile": self.profile_name, "requests": self.requests,
+                               "output_tokens": self.output_tokens, "busy_s": self.busy_s,
+                               "iterations": self.iterations()}
+        if balance:
+            stats = self.engine.stats(0.0)
+            total = stats.kv_blocks_total
+            out.update(preemptions=stats.num_preempted_total,
+                       peak_kv_used_ratio=(total - self.min_free_blocks) / total if total else 0.0,
+                       migrations_out=self.migrations_out, migrations_in=self.migrations_in)
+        return out
 
 
 def build_fleet(engines: Sequence[EngineSpec], options: SimOptions) -> list[SimNode]:
@@ -95,4 +118,29 @@ def build_fleet(engines: Sequence[EngineSpec], options: SimOptions) -> list[SimN
             index = counts.get(spec.profile, 0)
             counts[spec.profile] = index + 1
             nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options, spec.lens))
+    if options.reschedule != "none":
+        _attach_rounds(nodes, options)
     return nodes
+
+
+def _attach_rounds(nodes: Sequence[SimNode], options: SimOptions) -> None:
+    """Give every engine its STAR prediction rounds (`loadgen.simulate.predictions`)."""
+    horizon = options.star_params().horizon
+    predictor = options.predictor if options.reschedule == "star" else None
+    hidden: dict[str, SyntheticHiddenStates] = {}  # per model: every engine of a model shares one
+    for node in nodes:
+        shape = node.engine.profile.model
+        generator = None
+        if predictor is not None:
+            if predictor.hidden_size != shape.hidden_size:
+                raise ValueError(f"the length predictor reads hidden states of size {predictor.hidden_size} "
+                                 f"(model {predictor.meta.model!r}); engine {node.engine_id} serves "
+                                 f"{shape.name!r}, of size {shape.hidden_size}")
+            generator = hidden.get(shape.name)
+            if generator is None:
+                generator = SyntheticHiddenStates(shape.hidden_size, shape.name, seed=options.seed)
+                hidden[shape.name] = generator
+        lengths = remaining_lengths(options.reschedule, predictor=predictor, bins=options.predictor_bins,
+                                    hidden=generator)
+        node.rounds = PredictionRounds(node.engine, lengths, node.in_flight_requests,
+                                       round_tokens=options.prediction_interval, horizon=horizon)

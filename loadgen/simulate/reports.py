@@ -3,9 +3,10 @@ WatchState stream of one simulated engine.
 
 Owns: `report_from_stats`, which is the live translation itself, composed: the agent's WatchState encoding
 (`engine_agent.proto_codec.engine_state`) then the gateway's decoding (`grpc_client.from_engine_state`);
-`describe_engine` (what GetInfo plus `from_engine_info` give for a sim agent); and `ReportFeed`, one engine's
-stream of reports with its send times, sequence numbers and delivery delay, pushed by the sim backend's own
-change rule (`engine_agent.sim.reporting.ChangeGate`).
+`describe_engine` (what GetInfo plus `from_engine_info` give for a sim agent, the KV bytes per token
+included); and `ReportFeed`, one engine's stream of reports with its send times, sequence numbers and delivery
+delay, pushed by the sim backend's own change rule (`engine_agent.sim.reporting.ChangeGate`) and at every STAR
+round.
 Must not: read clocks, know the event heap or policies, or change an engine (it only reads `stats`).
 
 Send times follow the agent: a report when the stream opens, one at once after each significant change, and
@@ -16,6 +17,13 @@ report is handed to the cluster state: an older one would be overwritten by it b
 state, and clearing of unreported dispatches only grows with the report's engine timestamp, so the snapshots
 are the same as with every report delivered. Same-instant sends coalesce into one (the live stream yields
 once per wake-up, with the state of that moment).
+
+STAR's rounds (`loadgen.simulate.predictions`): `push_round` sends a report at once carrying the round (the
+agent's `StarRound`, encoded by the agent's `engine_state` and decoded by the gateway's `from_engine_state`
+like the rest of the report); the other sends carry none, and the gateway's cluster state keeps the last
+round's until the next (`ClusterState.on_report`). When `receive` hands over only the newest of several
+reports, it carries the newest round among them, which is what the cluster state would hold had every report
+been delivered.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from engine_agent.proto_codec import engine_state
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.profiles import Profile
 from engine_agent.sim.reporting import ChangeGate
+from engine_agent.star.live import StarRound
 from gateway.domain import EngineDescription, EngineId, EngineReport
 from gateway.engines.grpc_client import from_engine_state
 from switchyard.proto_gen import engine_agent_pb2 as pb
@@ -48,6 +57,7 @@ def describe_engine(
         max_context_tokens=profile.max_context_tokens,
         block_size=profile.block_size,
         max_num_seqs=profile.max_num_seqs,
+        kv_bytes_per_token=profile.model.kv_bytes_per_token,
     )
 
 
@@ -58,11 +68,13 @@ def report_from_stats(
     *,
     draining: bool = False,
     timestamp_s: float | None = None,
+    star: StarRound | None = None,
 ) -> EngineReport:
     """The `EngineReport` the gateway receives for `stats` sent with sequence number `seq`: the agent's proto
     encoding decoded by the gateway's gRPC client, as on the wire.
 
-    `timestamp_s` overrides `stats.timestamp_s` when the same figures are re-sent later (an unchanged engine).
+    `timestamp_s` overrides `stats.timestamp_s` when the same figures are re-sent later (an unchanged engine);
+    `star`: the STAR round the push carries.
     """
     if timestamp_s is not None:
         stats = replace(stats, timestamp_s=timestamp_s)
@@ -74,7 +86,7 @@ def report_from_stats(
         role=identity.role,
     )
     return from_engine_state(
-        engine_state(stats, identity=pb_identity, seq=seq, draining=draining, started=True)
+        engine_state(stats, identity=pb_identity, seq=seq, draining=draining, started=True, star=star)
     )
 
 
@@ -110,8 +122,8 @@ class ReportFeed:
         self._anchor_s = 0.0
         self._ticks = 0
         self.next_due_s = interval_s  # the next interval send (flush before this is a no-op)
-        # (sent at, seq, the engine's figures at that time), in send order
-        self._pending: deque[tuple[float, int, EngineStats]] = deque()
+        # (sent at, seq, the engine's figures at that time, the prediction round it carries), in send order
+        self._pending: deque[tuple[float, int, EngineStats, StarRound | None]] = deque()
         self.gate = ChangeGate(engine.profile.kv_blocks_total)
         self._stats = engine.stats(0.0)
         self._stats_version = engine.change_counter
@@ -152,7 +164,7 @@ class ReportFeed:
         seq0 = self._seq - ticks
         pending = self._pending
         for j in range(first, last + 1):
-            pending.append((anchor_s + j * interval_s, seq0 + j, stats))
+            pending.append((anchor_s + j * interval_s, seq0 + j, stats, None))
         self._seq = seq0 + last
         self._ticks = last
         self.next_due_s = anchor_s + (last + 1) * interval_s
@@ -164,13 +176,19 @@ class ReportFeed:
         if self.gate.significant(stats):
             self._send(now_s, stats)
 
-    def _send(self, now_s: float, stats: EngineStats) -> None:
+    def push_round(self, now_s: float, star: StarRound) -> None:
+        """A STAR round was taken at `now_s`: send it at once with the engine's state."""
+        self.flush(now_s)
+        self._send(now_s, self._read(), star)
+
+    def _send(self, now_s: float, stats: EngineStats, round_: StarRound | None = None) -> None:
         pending = self._pending
-        if pending and pending[-1][0] == now_s:
-            pending[-1] = (now_s, pending[-1][1], stats)  # one wake-up, one report: the state of that moment
+        if pending and pending[-1][0] == now_s:  # one wake-up, one report: the state of that moment
+            last = pending[-1]
+            pending[-1] = (now_s, last[1], stats, round_ if round_ is not None else last[3])
         else:
             self._seq += 1
-            pending.append((now_s, self._seq, stats))
+            pending.append((now_s, self._seq, stats, round_))
         self._anchor_s = now_s
         self._ticks = 0
         self.next_due_s = now_s + self._interval_s
@@ -186,14 +204,20 @@ class ReportFeed:
         if pending[0][0] + delay_s > now_s:
             return None
         item = pending.popleft()
+        round_ = item[3]
         while pending and pending[0][0] + delay_s <= now_s:
             item = pending.popleft()
-        sent_s, seq, stats = item
-        return self._report(stats, seq, sent_s), sent_s + delay_s
+            if item[3] is not None:
+                round_ = item[3]
+        sent_s, seq, stats, _ = item
+        return self._report(stats, seq, sent_s, round_), sent_s + delay_s
 
-    def _report(self, stats: EngineStats, seq: int, sent_s: float) -> EngineReport:
-        """`report_from_stats` for one send. Consecutive sends of the same figures differ only in sequence
-        number and timestamp, so the wire translation runs once per distinct reading and is re-stamped."""
+    def _report(self, stats: EngineStats, seq: int, sent_s: float, round_: StarRound | None) -> EngineReport:
+        """`report_from_stats` for one send. Consecutive sends of the same figures without a round differ only
+        in sequence number and timestamp, so their wire translation runs once per distinct reading and is
+        re-stamped; a send with a round is translated whole."""
+        if round_ is not None:
+            return report_from_stats(stats, self.identity, seq, timestamp_s=sent_s, star=round_)
         cached = self._translated
         if cached is None or cached[0] is not stats:
             cached = (stats, report_from_stats(stats, self.identity, seq))

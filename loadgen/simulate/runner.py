@@ -1,12 +1,14 @@
 """`simulate`: replay a schedule of requests on a simulated fleet in virtual time, routed by a gateway policy.
 
-Owns: the event loop (arrivals and timeline samples in time order as sync points, each engine advanced through
-its iteration completions up to every sync point), executing each arrival's `ChoiceLife` in virtual time (the
-gateway's request-life core: a `Moment` per decision, the `Dispatch` recorded on `ClusterState`, admission on
-the engine, release and the latency sample at the finish), on the decider (gateway worker) the arrival is
-assigned to (`loadgen.simulate.deciders`: that worker's state records the dispatch, the release and the
-latency sample; every worker's state receives every report), and the per-request token times that become
-`loadgen.metrics.Outcome`s.
+Owns: the event loop (arrivals, STAR's follows and reschedule ticks, and timeline samples in time order as
+sync points, each engine advanced through its iteration completions up to every sync point), executing each
+arrival's `ChoiceLife` in virtual time (the gateway's request-life core: a `Moment` per decision, the
+`Dispatch` recorded on `ClusterState`, admission on the engine, release and the latency sample at the
+finish), on the decider (gateway worker) the arrival is assigned to (`loadgen.simulate.deciders`: that
+worker's state records the dispatch, the release and the latency sample; every worker's state receives every
+report), the per-request token times that become `loadgen.metrics.Outcome`s, when prediction rounds are
+taken and pushed, and the load-balance figures of timeline samples. Migrations themselves are executed by
+`loadgen.simulate.migrations` at the sync points this loop gives them.
 Must not: model engines (that is `SimEngine`, invariant I2), decide anything of a
 request's life (routing, retries, what a finish records: `gateway.dispatch.life` does, as it does live;
 invariant I1), or read a clock other than the injected wall clock used only for `SimResult.wall_s` (virtual
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from operator import sub
+from typing import Any
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
 from gateway.dispatch.features import RoutingHints
@@ -28,8 +31,10 @@ from gateway.domain import ChatTurn, EngineRequest, Finished
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome
+from loadgen.simulate.balance import balance_figures, exec_time_variance_ms2
 from loadgen.simulate.deciders import Decider, DeciderAssigner, build_deciders
 from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet
+from loadgen.simulate.migrations import Migrations, MoveStats
 from loadgen.simulate.spec import EngineSpec, SimOptions, SimResult
 from switchyard.clock import Clock, MonotonicClock
 
@@ -62,7 +67,8 @@ class _Run:
 
     def __init__(self, schedule: Sequence[tuple[float, Request]], nodes: list[SimNode], options: SimOptions,
                  progress: Callable[[float], None] | None,
-                 on_decision: Callable[[Decision], None] | None = None) -> None:
+                 on_decision: Callable[[Decision], None] | None = None, *,
+                 wall_clock: Clock | None = None) -> None:
         self.schedule = sorted(schedule, key=lambda item: item[0])  # stable: ties keep their order
         ids = [r.request_id for _, r in self.schedule]
         if len(set(ids)) != len(ids):
@@ -86,9 +92,16 @@ class _Run:
         self.times_of: dict[str, list[float]] = {}  # request id -> its token times, while in flight
         # request id -> (schedule index, its life, the decider that dispatched it)
         self.info: dict[str, tuple[int, ChoiceLife, Decider]] = {}
+        self.requests: dict[str, BackendRequest] = {}  # request id -> what its engine admitted (rescheduling)
         self.produced = 0  # output tokens delivered since the last timeline sample
         self.last_event_s = self.t0
         self.timeline: list[dict[str, float]] = []
+        self.balance = options.records_balance
+        self.migrations = (
+            Migrations(options, self.deciders, self.by_id, self.info, self.times_of, self.requests,
+                       start_step=self._start_step, left=self.left, abandon=self._abandon,
+                       wall_clock=wall_clock or MonotonicClock())
+            if options.reschedule != "none" else None)
 
     # ---- setup and the loop ----------------------------------------------------------------------------
 
@@ -102,9 +115,11 @@ class _Run:
             node.feed.connect(connect_s)
 
     def run(self) -> None:
-        """Sync points in time order: arrivals and timeline samples (an arrival at a sample's time first).
-        Before each, every engine is advanced through the iterations completing by then: engines do not
-        interact between sync points, so this is the order a global event heap would give."""
+        """Sync points in time order: arrivals, follows of migrated requests, reschedule ticks and timeline
+        samples (at equal times in that order). Before each, every engine is advanced through the iterations
+        completing by then: engines do not interact between sync points, so this is the order a global event
+        heap would give. Ticks run every `reschedule_interval_s` from the first arrival while anything is
+        left to do."""
         schedule, nodes = self.schedule, self.nodes
         n = len(schedule)
         period_s = self.options.record_timeline_s
@@ -112,10 +127,29 @@ class _Run:
         next_sample_s = self.t0 + period_s
         i = 0
         advance = self._advance
-        while i < n or any(node.busy for node in nodes):
-            if i < n and schedule[i][0] <= next_sample_s:
-                self._on_arrival(i, schedule[i][0], schedule[i][1])
-                i += 1
+        migrations = self.migrations
+        inf = math.inf
+        tick_s = self.options.reschedule_interval_s
+        ticks = 1
+        next_tick_s = self.t0 + tick_s if migrations is not None else inf
+        while i < n or any(node.busy for node in nodes) or (
+                migrations is not None and migrations.next_follow_s < inf):
+            arrival_s = schedule[i][0] if i < n else inf
+            follow_s = migrations.next_follow_s if migrations is not None else inf
+            now_s = min(arrival_s, follow_s, next_tick_s)
+            if now_s <= next_sample_s:
+                if arrival_s == now_s:
+                    self._on_arrival(i, arrival_s, schedule[i][1])
+                    i += 1
+                    continue
+                assert migrations is not None
+                self._sync(now_s)
+                if follow_s == now_s:
+                    migrations.follow(now_s)
+                else:
+                    migrations.tick(now_s)
+                    ticks += 1
+                    next_tick_s = self.t0 + ticks * tick_s
             else:
                 for node in nodes:
                     if node.done_s <= next_sample_s:
@@ -128,15 +162,19 @@ class _Run:
 
     # ---- events ------------------------------------------------------------------------------------------
 
-    def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
+    def _sync(self, now_s: float) -> None:
+        """Bring every engine to `now_s`, then hand over what the gateway has received by then."""
         states, advance = self.states, self._advance
-        for node in self.nodes:  # bring every engine to now_s, then hand over what the gateway has received
+        for node in self.nodes:
             if node.done_s <= now_s:
                 advance(node, now_s)
             got = node.feed.receive(now_s)
             if got is not None:
                 for receiver in states:  # every worker receives every report
                     receiver.on_report(node.engine_id, got[0], got[1])
+
+    def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
+        self._sync(now_s)
         session_id = request.session_id or ""
         decider = self.deciders[self.assign(session_id)]
         state = decider.state
@@ -178,8 +216,12 @@ class _Run:
         record_outcome(state, life.on_first_event(now_s))
         node.requests += 1
         self.dispatched[decider.index] += 1
-        self.times_of[rid] = []
+        times: list[float] = []
+        self.times_of[rid] = times
         self.info[rid] = (index, life, decider)
+        node.in_flight[rid] = (request.prompt_tokens, times)
+        if self.migrations is not None:
+            self.requests[rid] = backend_request
         node.feed.on_change(now_s)
         if not node.busy:
             node.busy = True
@@ -200,25 +242,29 @@ class _Run:
         duration_s = result.duration_s
         node.busy_s += duration_s
         if duration_s <= 0:
-            duration_s = self._empty_step(node)
+            duration_s = self._empty_step(node, now_s)
         node.done_s = now_s + duration_s
 
-    def _empty_step(self, node: SimNode) -> float:
+    def _empty_step(self, node: SimNode, now_s: float) -> float:
+        """How long until an engine whose iteration scheduled nothing tries again: until its earliest loading
+        migrated request is ready (the sim backend's idle wait), else `IDLE_RETRY_S`."""
         node.empty_steps += 1
         if node.empty_steps > MAX_EMPTY_STEPS:
             raise RuntimeError(f"engine {node.engine_id} scheduled nothing {MAX_EMPTY_STEPS} times")
-        return IDLE_RETRY_S
+        ready_s = node.engine.next_ready_s() if self.migrations is not None else None
+        return ready_s - now_s if ready_s is not None and ready_s > now_s else IDLE_RETRY_S
 
     def _advance(self, node: SimNode, until_s: float) -> None:
         """Deliver every iteration of `node` completing at or before `until_s`, starting the next one at each
         completion while the engine has work (the hot loop: one pass per iteration, no allocation of ours)."""
-        engine, feed = node.engine, node.feed
+        engine, feed, rounds = node.engine, node.feed, node.rounds
         may_matter = feed.gate.iteration_may_matter
         times_of = self.times_of
         result = node.result
         done_s = node.done_s
         produced = 0
         busy_s = 0.0
+        min_free = node.min_free_blocks
         while done_s <= until_s:
             assert result is not None
             tokens = result.tokens
@@ -230,8 +276,13 @@ class _Run:
             if finished:
                 for rid, event in finished:
                     self._finish(node, rid, event, done_s)
-            if may_matter(result.record, bool(finished)):
+            record = result.record
+            if record.kv_blocks_free_after < min_free:
+                min_free = record.kv_blocks_free_after
+            if may_matter(record, bool(finished)):
                 feed.on_change(done_s)
+            if rounds is not None and rounds.step(record.num_decode_seqs > 0):
+                feed.push_round(done_s, rounds.take())  # the tap's moment: before the next iteration
             if not engine.has_work():
                 node.busy = False
                 result = None
@@ -243,8 +294,9 @@ class _Run:
             duration_s = result.duration_s
             busy_s += duration_s
             if duration_s <= 0:
-                duration_s = self._empty_step(node)
+                duration_s = self._empty_step(node, done_s)
             done_s += duration_s
+        node.min_free_blocks = min_free
         node.result = result
         node.done_s = done_s
         node.output_tokens += produced
@@ -256,9 +308,14 @@ class _Run:
     def _finish(self, node: SimNode, rid: str, event: FinishEvent, now_s: float) -> None:
         times = self.times_of.pop(rid)
         index, life, decider = self.info.pop(rid)
+        self.left(node, rid, now_s)
         arrival_s = life.hints.arrival_s
-        if times:
-            life.on_token(times[0])
+        fresh = len(times) - life.relayed
+        if fresh > 0:
+            life.on_token(times[life.relayed], fresh)
+        if self.migrations is not None:
+            self.requests.pop(rid, None)
+            self.migrations.on_finished(rid, times, decider)
         outcome = life.on_finished(
             Finished(event.finish_reason, event.usage.prompt_tokens, event.usage.completion_tokens,
                      error_message=event.error_message), now_s)
@@ -273,6 +330,26 @@ class _Run:
             ttft_s=times[0] - arrival_s, itl_s=tuple(map(sub, times[1:], times)), e2e_s=now_s - arrival_s,
             engine_id=node.engine_id)
 
+    @staticmethod
+    def left(node: SimNode, rid: str, now_s: float) -> None:
+        """`rid` is no longer in flight on `node` (finished, or its stream ended with a migration); the last
+        one to leave after a STAR round that listed some is followed by an empty round at once."""
+        del node.in_flight[rid]
+        rounds = node.rounds
+        if rounds is not None and not node.in_flight and rounds.listed:
+            node.feed.push_round(now_s, rounds.empty())
+
+    def _abandon(self, rid: str, now_s: float, error: str) -> None:
+        """A request in flight that cannot go on (a migration no engine could resume): a failed outcome."""
+        self.times_of.pop(rid)
+        self.requests.pop(rid, None)
+        index, life, _ = self.info.pop(rid)
+        arrival_s = life.hints.arrival_s
+        self.last_event_s = max(self.last_event_s, now_s)
+        self.outcomes[index] = Outcome(
+            request_id=rid, success=False, prompt_tokens=self.schedule[index][1].prompt_tokens,
+            arrival_s=arrival_s - self.t0, start_s=arrival_s - self.t0, error=error)
+
     def _fail(self, index: int, now_s: float, request: Request, error: str, engine_id: str | None) -> None:
         self.last_event_s = max(self.last_event_s, now_s)
         self.outcomes[index] = Outcome(
@@ -281,13 +358,23 @@ class _Run:
 
     def _sample(self, at_s: float, period_s: float, fraction_done: float) -> None:
         running = waiting = 0
+        iteration_s: list[float] = []
+        kv_used = 0.0
         for node in self.nodes:
             if node.busy:
                 stats = node.engine.stats(at_s)
                 running += stats.num_running
                 waiting += stats.num_waiting
-        self.timeline.append({"t_s": at_s - self.t0, "in_flight": len(self.info), "running": running,
-                              "waiting": waiting, "throughput_tokens_per_s": self.produced / period_s})
+                if self.balance:
+                    iteration_s.append(stats.last_iteration_s)
+                    kv_used = max(kv_used, 1.0 - stats.kv_blocks_free / stats.kv_blocks_total)
+            elif self.balance:
+                iteration_s.append(0.0)
+        row = {"t_s": at_s - self.t0, "in_flight": len(self.info), "running": running, "waiting": waiting,
+               "throughput_tokens_per_s": self.produced / period_s}
+        if self.balance:
+            row.update(exec_time_var_ms2=exec_time_variance_ms2(iteration_s), max_kv_used_ratio=kv_used)
+        self.timeline.append(row)
         self.produced = 0
         if self.progress is not None:
             self.progress(fraction_done)
@@ -312,7 +399,7 @@ def simulate(
     clock = wall_clock or MonotonicClock()
     started_s = clock.now()
     nodes = build_fleet(engines, options)
-    run = _Run(schedule, nodes, options, progress, on_decision)
+    run = _Run(schedule, nodes, options, progress, on_decision, wall_clock=clock)
     run.connect()
     run.run()
     outcomes = [o for o in run.outcomes if o is not None]
@@ -320,13 +407,22 @@ def simulate(
         raise RuntimeError("the simulation ended with requests still in flight")
     last_arrival_s = run.schedule[-1][0] if run.schedule else run.t0
     duration_s = max(run.last_event_s, last_arrival_s) - run.t0
+    per_engine: dict[str, dict[str, Any]] = {n.engine_id: n.totals(run.balance) for n in nodes}
+    per_decider: list[dict[str, Any]] = [
+        {"decisions": made, "dispatched": accepted}
+        for made, accepted in zip(run.decisions, run.dispatched, strict=True)]
+    if run.balance:
+        rows = (run.migrations.rows() if run.migrations is not None
+                else [MoveStats().row() for _ in per_decider])
+        for decider_row, reschedule in zip(per_decider, rows, strict=True):
+            decider_row["reschedule"] = reschedule
     return SimResult(
         outcomes=outcomes,
         duration_s=duration_s,
         wall_s=clock.now() - started_s,
-        per_engine={n.engine_id: n.totals() for n in nodes},
+        per_engine=per_engine,
         timeline=run.timeline,
         events_processed=len(run.schedule) + sum(n.iterations() + n.empty_steps for n in nodes),
-        per_decider=[{"decisions": made, "dispatched": accepted}
-                     for made, accepted in zip(run.decisions, run.dispatched, strict=True)],
+        per_decider=per_decider,
+        balance=(balance_figures(per_engine, per_decider, run.timeline, duration_s) if run.balance else None),
     )

@@ -1,7 +1,8 @@
 """What a simulation takes and gives back: `EngineSpec`, `parse_engines`, `SimOptions`, `SimResult`.
 
-Owns: the public data types of `loadgen.simulate` and the parsing of a fleet description
-("h100-llama3-8b:6,a6000-llama3-8b:2", with an optional per-spec LENS mode: "h100-llama3-8b:6:lens").
+Owns: the public data types of `loadgen.simulate`, the parsing of a fleet description
+("h100-llama3-8b:6,a6000-llama3-8b:2", with an optional per-spec LENS mode: "h100-llama3-8b:6:lens"), and
+STAR's rescheduling arms (`RESCHEDULE_ARMS`) with the checks of their options.
 Must not: run anything, read clocks or files, or hold mutable module state.
 """
 
@@ -11,14 +12,25 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from engine_agent.sim.profiles import get_profile
+from engine_agent.star.predictor import LengthPredictor
+from gateway.dispatch.mover import MoveParams
+from gateway.rescheduling.star import StarParams
 from loadgen.metrics import Outcome
 from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment
 
 # Policies that read the engines' LENS state vector; the simulator runs LENS's model for them by default.
 LENS_STATE_POLICIES = frozenset({"prism"})
+
+# STAR's arms (paper 003, §6.1): no rescheduling, Algorithm 1 on current load only, with the length predictor
+# (`SimOptions.predictor` or `predictor_bins`), and with the exact remaining lengths.
+RescheduleArm = Literal["none", "star-nopred", "star", "star-oracle"]
+RESCHEDULE_ARMS: tuple[RescheduleArm, ...] = ("none", "star-nopred", "star", "star-oracle")
+PREDICTOR_BINS = (2, 4, 6)  # STAR Table 3's settings
+# StarParams fields the simulator's own options set (the arm, --kv-link-gbps, --prediction-interval).
+_STAR_FIELDS_OF_OPTIONS = frozenset({"use_prediction", "kv_link_gbps", "round_tokens"})
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,18 @@ class SimOptions:
     the single-process gateway. `decider_assignment`: how requests reach workers, "random" (a connection
     per request: a uniform seeded draw) or "session" (a keep-alive connection per session: a seeded hash of
     the session id; requests without one are drawn).
+    STAR (`loadgen.simulate.migrations`, `loadgen.simulate.predictions`): `reschedule` is the arm
+    (`RESCHEDULE_ARMS`); every `reschedule_interval_s` each worker's rescheduler proposes a migration per
+    model with `gateway.rescheduling.star.propose` (`reschedule_params`: `StarParams` fields, as the gateway's
+    `reschedule.params`; `kv_link_gbps` is the link of both C_mig and the modelled transfer, which takes
+    `kv_transfer_latency_s` + KV bytes x 8 / (kv_link_gbps x 1e9)), within `move_params` (the live mover's
+    limits). Engines report their predictions every `prediction_interval` decode steps (k): exact for
+    "star-oracle"; for "star" from `predictor` (a `LengthPredictor` on the sim's synthetic hidden states) or,
+    with `predictor_bins` (2, 4 or 6), the exact remaining length quantised to its bin's midpoint; 0
+    (unknown) for "star-nopred". `balance_figures`: record the load-balance figures (per engine preemptions,
+    peak KV use and migrations; per timeline sample the execution-time variance and the fullest engine's KV
+    use; per decider its rescheduler's figures); `records_balance` says whether they are: also whenever
+    `reschedule` is not "none".
     """
 
     policy: str = "round_robin"
@@ -112,6 +136,16 @@ class SimOptions:
     slo_tpot_s: float | None = None
     deciders: int = 1
     decider_assignment: DeciderAssignment = "random"
+    reschedule: RescheduleArm = "none"
+    reschedule_interval_s: float = 0.5
+    reschedule_params: Mapping[str, object] = field(default_factory=_no_params)
+    kv_link_gbps: float = 25.0
+    kv_transfer_latency_s: float = 0.002
+    prediction_interval: int = 20
+    predictor: LengthPredictor | None = None
+    predictor_bins: int | None = None
+    move_params: MoveParams = field(default_factory=MoveParams)
+    balance_figures: bool = False
 
     def __post_init__(self) -> None:
         positive = {"state_interval_s": self.state_interval_s, "stale_after_s": self.stale_after_s,
@@ -135,6 +169,51 @@ class SimOptions:
                              f"got {self.decider_assignment!r}")
         if not isinstance(self.policy_params, MappingProxyType):
             object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
+        if not isinstance(self.reschedule_params, MappingProxyType):
+            object.__setattr__(self, "reschedule_params", MappingProxyType(dict(self.reschedule_params)))
+        self._check_reschedule()
+
+    def _check_reschedule(self) -> None:
+        if self.reschedule not in RESCHEDULE_ARMS:
+            raise ValueError(f"SimOptions.reschedule must be one of {', '.join(RESCHEDULE_ARMS)}, "
+                             f"got {self.reschedule!r}")
+        for name, value in (("reschedule_interval_s", self.reschedule_interval_s),
+                            ("kv_link_gbps", self.kv_link_gbps)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"SimOptions.{name} must be a positive finite number, got {value}")
+        if not (math.isfinite(self.kv_transfer_latency_s) and self.kv_transfer_latency_s >= 0):
+            raise ValueError(f"SimOptions.kv_transfer_latency_s must be >= 0 and finite, "
+                             f"got {self.kv_transfer_latency_s}")
+        if self.prediction_interval < 1:
+            raise ValueError(f"SimOptions.prediction_interval must be >= 1, got {self.prediction_interval}")
+        if self.predictor_bins is not None and self.predictor_bins not in PREDICTOR_BINS:
+            raise ValueError(f"SimOptions.predictor_bins must be one of {PREDICTOR_BINS}, "
+                             f"got {self.predictor_bins}")
+        if self.predictor is not None and self.predictor_bins is not None:
+            raise ValueError("SimOptions: give a predictor or predictor bins, not both")
+        if self.reschedule == "star" and self.predictor is None and self.predictor_bins is None:
+            raise ValueError("the 'star' arm needs a length predictor (a predictor file) or predictor bins "
+                             "(2, 4 or 6); 'star-oracle' uses the exact lengths")
+        clash = sorted(_STAR_FIELDS_OF_OPTIONS & set(self.reschedule_params))
+        if clash:
+            raise ValueError(f"reschedule parameters {clash} are set by the arm, the KV link and the "
+                             f"prediction interval options")
+        self.star_params()  # TypeError / ValueError on an unknown or bad parameter
+
+    def star_params(self) -> StarParams:
+        """Algorithm 1's parameters: `reschedule_params` over `StarParams`' defaults, with prediction on
+        unless the arm is "star-nopred", the KV link of `kv_link_gbps` and k = `prediction_interval`."""
+        try:
+            return StarParams(**{**self.reschedule_params,  # type: ignore[arg-type]
+                                 "use_prediction": self.reschedule != "star-nopred",
+                                 "kv_link_gbps": self.kv_link_gbps, "round_tokens": self.prediction_interval})
+        except TypeError as exc:
+            raise ValueError(f"reschedule parameters: {exc}") from None
+
+    @property
+    def records_balance(self) -> bool:
+        """Whether the load-balance figures are recorded (`balance_figures`, or any rescheduling arm)."""
+        return self.balance_figures or self.reschedule != "none"
 
 
 @dataclass
@@ -148,6 +227,10 @@ class SimResult:
     (output tokens over the period ending at t_s)}; `events_processed`: arrivals plus engine iterations
     simulated; `per_decider`: one row per decider (gateway worker) of {decisions (routing decisions it
     made), dispatched (requests it dispatched that the engine accepted)}.
+    With `SimOptions.records_balance`: `per_engine` rows also hold preemptions, peak_kv_used_ratio,
+    migrations_out and migrations_in; `timeline` rows exec_time_var_ms2 and max_kv_used_ratio; `per_decider`
+    rows a `reschedule` dict (that worker's rescheduler: `loadgen.simulate.migrations.MoveStats`); and
+    `balance` the run's figures (`loadgen.simulate.balance.balance_figures`); otherwise `balance` is None.
     """
 
     outcomes: list[Outcome]
@@ -156,7 +239,8 @@ class SimResult:
     per_engine: dict[str, dict[str, Any]]
     timeline: list[dict[str, float]]
     events_processed: int
-    per_decider: list[dict[str, int]] = field(default_factory=list)
+    per_decider: list[dict[str, Any]] = field(default_factory=list)
+    balance: dict[str, Any] | None = None
 
     @property
     def simulated_s_per_wall_s(self) -> float:
