@@ -265,6 +265,7 @@ class ApiHandlers:
             )
         except Rejected as e:
             headers["Retry-After"] = str(int(e.retry_after_s))
+            self.metrics.admission_rejection_time.observe(self.clock.now() - hints.arrival_s)
             raise errors.fleet_saturated(model, e.reason) from None
 
     def _to_api_error(self, e: Exception, model: str, request_id: str) -> ApiError:

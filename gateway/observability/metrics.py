@@ -342,6 +342,13 @@ class GatewayMetrics:
             ["model", "outcome"],
             registry=r,
         )
+        self.admission_rejection_time = LoopHistogram(
+            "switchyard_admission_rejection_seconds",
+            "Inside the gateway: a refused request's arrival at the handler to the refusal (the HTTP parse "
+            "and the answer's write are not in it)",
+            buckets=_LOOP_LAG_BUCKETS_S,
+            registry=r,
+        )
         self.admission_rejections = Counter(
             "switchyard_admission_rejections_total",
             "Requests the admission gate refused (503 fleet_saturated), by model and reason",
