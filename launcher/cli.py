@@ -36,7 +36,7 @@ import orjson
 from gateway.__main__ import configure_logging, loop_factory
 from gateway.__main__ import main as gateway_main
 from gateway.app import serve
-from gateway.config import ConfigError, GatewayConfig, PolicyConfig
+from gateway.config import ConfigError, GatewayConfig, PolicyConfig, RescheduleConfig
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.workers.supervisor import WorkerFailed, supervise
 from launcher.local_fleet import (
@@ -104,8 +104,30 @@ def build_up_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="gateway worker processes serving the port (default 1: the gateway runs in this process)",
     )
+    p.add_argument(
+        "--reschedule",
+        choices=["none", "star", "star-nopred"],
+        default="none",
+        help="STAR: move running requests between engines (docs/star.md); the agents then push prediction "
+        "rounds (--length-predictor for star, current lengths only for star-nopred)",
+    )
+    p.add_argument(
+        "--length-predictor",
+        metavar="FILE|oracle",
+        help="with --reschedule star: the agents' remaining-length predictor (default for sim: oracle, the "
+        "simulated engine's exact lengths; vllm needs a FILE from `switchyard predictor train`)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def star_agent_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The agent flags `--reschedule` needs: prediction rounds (`star`) or current lengths (`star-nopred`)."""
+    if args.reschedule == "star":
+        return ("--length-predictor", args.length_predictor)
+    if args.reschedule == "star-nopred":
+        return ("--star-report",)
+    return ()
 
 
 def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -135,6 +157,14 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error("--startup-timeout-s must be positive")
     if args.gateway_workers < 1:
         parser.error("--gateway-workers must be at least 1")
+    if args.length_predictor is not None and args.reschedule != "star":
+        parser.error("--length-predictor is for --reschedule star")
+    if args.reschedule == "star" and args.length_predictor is None:
+        if backend == "vllm":
+            parser.error("--reschedule star on vllm needs --length-predictor FILE (from predictor train)")
+        args.length_predictor = "oracle"
+    if args.length_predictor == "oracle" and backend == "vllm":
+        parser.error("--length-predictor oracle is for the sim backend (its engines know their lengths)")
 
 
 def banner(base_url: str, specs: Sequence[AgentSpec], models: Sequence[str], policy: str) -> str:
@@ -209,6 +239,7 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
             drain_timeout_s=args.drain_timeout_s,
             workers=args.gateway_workers,
             log_level=args.log_level,
+            reschedule=RescheduleConfig(policy=args.reschedule),
         )
 
         def announce(base_url: str) -> None:
@@ -240,7 +271,13 @@ def up(argv: Sequence[str]) -> int:
         parser.error(f"unknown policy {args.policy!r}; known: {', '.join(POLICY_NAMES)}")
     try:
         specs = plan_agents(
-            args.engines, profiles, args.base_agent_port, args.host, backend=args.backend, model=args.model
+            args.engines,
+            profiles,
+            args.base_agent_port,
+            args.host,
+            backend=args.backend,
+            model=args.model,
+            extra_args=star_agent_args(args),
         )
     except ValueError as e:
         parser.error(str(e))

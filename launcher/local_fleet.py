@@ -76,9 +76,10 @@ def plan_agents(
     *,
     backend: Backend = "sim",
     model: str | None = None,
+    extra_args: Sequence[str] = (),
 ) -> list[AgentSpec]:
     """`count` agents on consecutive ports. Sim: profiles cycled (a heterogeneous fleet when several are
-    given); vllm: every agent serves `model` (profiles unused)."""
+    given); vllm: every agent serves `model` (profiles unused). `extra_args`: more flags for every agent."""
     if count < 1:
         raise ValueError("need at least one engine")
     if backend == "sim" and not profiles:
@@ -95,6 +96,7 @@ def plan_agents(
             host,
             backend=backend,
             model=model if backend == "vllm" else None,
+            extra_args=tuple(extra_args),
         )
         for i in range(count)
     ]

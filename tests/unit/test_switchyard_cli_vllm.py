@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import DEFAULT_ENGINES, banner, build_up_parser, check_up_args, main, up
+from launcher.cli import DEFAULT_ENGINES, banner, build_up_parser, check_up_args, main, star_agent_args, up
 from launcher.local_fleet import DEFAULT_START_TIMEOUT_S, AgentSpec, LocalFleet, plan_agents
 
 
@@ -69,6 +69,10 @@ def test_explicit_engines_and_startup_timeout_win(model_dir: Path) -> None:
         (["--backend", "vllm", "--model", "{model}", "--startup-timeout-s", "0"], "must be positive"),
         (["--backend", "vllm", "--model", "{model}", "--engines", "0"], "need at least one engine"),
         (["--backend", "tgi"], "invalid choice: 'tgi'"),
+        (["--length-predictor", "oracle"], "--length-predictor is for --reschedule star"),
+        (["--backend", "vllm", "--model", "{model}", "--reschedule", "star"], "needs --length-predictor"),
+        (["--backend", "vllm", "--model", "{model}", "--reschedule", "star", "--length-predictor", "oracle"],
+         "oracle is for the sim backend"),
     ],
 )
 def test_up_rejects_bad_backend_arguments_in_one_line(
@@ -121,3 +125,15 @@ def test_tiny_model_rejects_a_bad_shape_in_one_line(
     assert err.count("\n") == 1
     assert err.startswith("switchyard tiny-model: error: hidden size 100 is not divisible by 8 heads")
     assert not (tmp_path / "m").exists()
+
+
+def test_reschedule_gives_the_agents_what_the_rescheduler_reads(model_dir: Path) -> None:
+    assert star_agent_args(checked([])) == ()
+    assert star_agent_args(checked(["--reschedule", "star"])) == ("--length-predictor", "oracle")
+    assert star_agent_args(checked(["--reschedule", "star-nopred"])) == ("--star-report",)
+    predictor = model_dir / "star.npz"
+    args = checked(["--backend", "vllm", "--model", str(model_dir), "--reschedule", "star",
+                    "--length-predictor", str(predictor)])
+    assert star_agent_args(args) == ("--length-predictor", str(predictor))
+    specs = plan_agents(2, ["h100-llama3-8b"], 50051, extra_args=("--star-report",))
+    assert all(s.extra_args == ("--star-report",) for s in specs)
