@@ -117,6 +117,12 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     v.add_argument("--tensor-parallel-size", type=int, default=vd.tensor_parallel_size)
     v.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile")
     v.add_argument("--no-migration", action="store_true", help="no NIXL KV connector (MigrateOut/In refused)")
+    v.add_argument(
+        "--migration-kv-lease-s",
+        type=float,
+        default=vd.migration_kv_lease_s,
+        help="how long a cut request's KV is held for its target to pull (the sim frees it at the cut)",
+    )
     v.add_argument("--nixl-host", default=vd.nixl_side_channel_host, help="address peers reach NIXL on")
     v.add_argument(
         "--nixl-port", type=int, default=None, help="NIXL side channel (default: agent port + 1000)"
@@ -179,6 +185,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             nixl_side_channel_host=args.nixl_host,
             nixl_side_channel_port=args.nixl_port,
             nixl_progress_thread=args.nixl_progress_thread,
+            migration_kv_lease_s=args.migration_kv_lease_s,
         ),
         hidden_state_interval=args.hidden_state_interval or None,  # the flag's 0 = off
         record_hidden_states=args.record_hidden_states,

@@ -79,7 +79,10 @@ class VllmConfig(BaseModel):
     # NIXL's UCX progress thread. NIXL 1.5.1 runs it with a 0 ms poll timeout: it keeps a core at 100 % even
     # when the agent is idle. Off, UCX progresses in the calls vLLM makes each engine step during a transfer.
     nixl_progress_thread: bool = False
-    kv_hold_ttl_s: float = Field(default=60.0, gt=0.0)  # how long a cut request's KV waits for its target
+    # The lease on a cut request's KV (`--migration-kv-lease-s`): how long the source holds it for its
+    # target to pull (NixlConnector's `decoder_kv_blocks_ttl`; NIXL's default: 480 s). The sim frees it at
+    # the cut.
+    migration_kv_lease_s: float = Field(default=30.0, gt=0.0)
 
 
 class AgentConfig(BaseModel):

@@ -23,7 +23,10 @@ tokens are exactly the tokens the stream delivered. The source frees the KV at t
 output length (`engine_agent.sim.ticket`), so a migrated request continues with exactly the tokens it would
 have produced unmigrated: seeded requests can move too. On the target the KV is "pulled" in
 transfer_s = kv_transfer_latency_s + kv_bytes / (kv_transfer_gbps x 1e9) once its blocks are allocated; then
-only the last sampled token is computed.
+only the last sampled token is computed. A ticket without KV (`kv_tokens` 0, possibly with output tokens a
+failed target streamed after the cut) transfers nothing: the engine checks those tokens against the request's
+generator and recomputes prompt + output in one prefill. Since the source frees its KV at the cut, the sim
+holds no cut's KV, so it needs no lease (`--migration-kv-lease-s`) and an `Abort` of a cut id finds nothing.
 
 Hidden-state tap (`engine_agent.backends.sim_tap`). Every `hidden_state_interval` decode steps (iterations
 with decoding sequences), when someone subscribes, the loop takes the decoding requests' lengths from the
@@ -271,7 +274,8 @@ class SimBackend:
         else:
             cut, transfer_s, prior = migrated
             self._engine.add_migrated_request(request, cut, now, transfer_s)  # MigrationRefused
-            stats = MigrationStats(cut.kv_tokens, 0, cut.kv_bytes, transfer_s)
+            recomputed = len(request.prompt_token_ids) + len(prior) - 1 if cut.recompute else 0
+            stats = MigrationStats(cut.kv_tokens, recomputed, cut.kv_bytes, transfer_s)
             stream = _Stream(request, prior, now, stats)
         self._streams[request_id] = stream
         self._last_admit_s = now
@@ -360,7 +364,7 @@ class SimBackend:
         if request_id in self._streams:
             raise MigrationRefused(f"request id {request_id!r} is already running")
         request = request_from_ticket(ticket, request_id)
-        transfer_s = self.transfer_time_s(ticket.kv_bytes)
+        transfer_s = 0.0 if cut.recompute else self.transfer_time_s(ticket.kv_bytes)
         self._engine.check_migrated_request(request, cut, transfer_s)
         return self._serve(request, (cut, transfer_s, ticket.output_token_ids))
 

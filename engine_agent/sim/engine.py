@@ -51,11 +51,9 @@ from engine_agent.sim.migration import EngineMigration
 from engine_agent.sim.perf_model import PerfCoefficients, iteration_time_s
 from engine_agent.sim.profiles import Profile
 from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, Seq
-
-_MASK64 = (1 << 64) - 1
-# Knuth's MMIX linear congruential generator; tokens come from its high bits.
-_LCG_MUL = 6364136223846793005
-_LCG_INC = 1442695040888963407
+from engine_agent.sim.sequence import LCG_INC as _LCG_INC
+from engine_agent.sim.sequence import LCG_MUL as _LCG_MUL
+from engine_agent.sim.sequence import MASK64 as _MASK64
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,7 +376,7 @@ class SimEngine(EngineMigration):
             k = seq.num_output + 1
             seq.num_output = k
             seq.num_tokens = total + 1
-            if k == 1:
+            if seq.first_token_s < 0:  # its first token here (a recomputing migrant's first on this engine)
                 firsts.append(seq)
             if k == seq.target_len and seq.stop_at_target:
                 token = eos

@@ -17,6 +17,13 @@ cut on another engine: the request queues (first come, first served, ahead of wa
 ceil(kv_tokens / block_size) blocks are free, allocates them, is loaded `transfer_s` later (a modelled pull,
 no recompute) and then decodes like any running request, computing only its last sampled token first. With the
 LCG state carried, the continuation is the token stream the request would have produced unmigrated.
+
+Resuming without KV (`kv_tokens` 0: the gateway's "recompute anywhere", or its re-ticket after a target died
+mid-stream): the cut may carry `after_cut`, output tokens produced after its generator state (what the failed
+target streamed and the gateway relayed). The engine replays the generator over them and refuses the cut when
+a replayed token differs (the faithfulness check: the continuation would not be the request's own). The
+request then queues like a preempted one: one prefill of prompt + every output token (the performance model
+times it), after which it samples its next token and decodes on.
 """
 
 from __future__ import annotations
@@ -25,7 +32,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine_agent.domain import BackendRequest, MigrationRefused, MigrationStats, RequestId
-from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, MigrationLoad, Seq
+from engine_agent.sim.sequence import (
+    DONE,
+    INCOMING,
+    RUNNING,
+    WAITING,
+    MigrationLoad,
+    Seq,
+    draw_token,
+)
 
 if TYPE_CHECKING:
     from engine_agent.domain import SamplingSpec
@@ -44,6 +59,14 @@ class MigrationCut:
     lcg_state: int  # the per-request token generator's state after the last produced token
     kv_tokens: int  # prompt_len + num_output - 1: the last sampled token has no KV yet
     kv_bytes: int  # kv_tokens x the model's KV bytes per token (whole tensor-parallel group)
+    # Without KV (kv_tokens 0) only: output tokens produced after `lcg_state` (a re-ticket), replayed and
+    # checked on resume; `num_output` does not count them.
+    after_cut: tuple[int, ...] = ()
+
+    @property
+    def recompute(self) -> bool:
+        """The cut carries no KV: the engine that resumes it recomputes prompt and output."""
+        return self.kv_tokens == 0
 
 
 class EngineMigration:
@@ -70,6 +93,8 @@ class EngineMigration:
                         error: type[ValueError]) -> tuple[tuple[int, ...], int]: ...
 
         def _release(self, seq: Seq) -> None: ...
+
+        def _enqueue(self, seq: Seq) -> None: ...
 
     def migrate_out(self, request_id: RequestId, now_s: float) -> MigrationCut:
         """Cut a decoding request after the last token it produced and free its KV at once.
@@ -121,6 +146,19 @@ class EngineMigration:
         rid = request.request_id
         prompt_len = len(request.prompt_token_ids)
         self._order += 1
+        if cut.recompute:
+            rng = self._replay(request, cut, excluded, token_range)
+            seq = Seq(rid, prompt_len, cut.target_len, cut.stop_at_target, request.priority, self._order,
+                      now_s, rng, excluded, token_range)
+            seq.num_output = cut.num_output + len(cut.after_cut)
+            seq.num_tokens = prompt_len + seq.num_output
+            seq.migration = MigrationLoad(0, 0, 0.0)
+            seq.migration.ready_s = now_s
+            seq.migration.recomputed = seq.num_tokens - 1
+            self._seqs[rid] = seq
+            self._enqueue(seq)  # like a preempted request: one prefill of prompt + output, then decode
+            self._changes += 1
+            return
         seq = Seq(rid, prompt_len, cut.target_len, cut.stop_at_target, request.priority, self._order, now_s,
                   cut.lcg_state, excluded, token_range)
         seq.state = INCOMING
@@ -143,17 +181,40 @@ class EngineMigration:
         rid = request.request_id
         self._check_admissible(request, MigrationRefused)
         prompt_len = len(request.prompt_token_ids)
-        if cut.prompt_len != prompt_len or cut.kv_tokens != prompt_len + cut.num_output - 1:
+        output = cut.num_output + len(cut.after_cut)
+        if cut.after_cut and not cut.recompute:
+            raise MigrationRefused(f"request {rid!r}: a cut that carries KV cannot carry output tokens after "
+                                   f"it")
+        if cut.prompt_len != prompt_len or (
+            not cut.recompute and cut.kv_tokens != prompt_len + cut.num_output - 1
+        ):
             raise MigrationRefused(f"request {rid!r}: the cut does not match the request ({cut.prompt_len} "
                                    f"prompt and {cut.kv_tokens} KV tokens for a {prompt_len}-token prompt "
                                    f"with {cut.num_output} output tokens)")
-        if not 0 < cut.num_output < cut.target_len <= request.sampling.max_tokens:
-            raise MigrationRefused(f"request {rid!r}: nothing left to produce ({cut.num_output} of "
+        if not 0 < output < cut.target_len <= request.sampling.max_tokens:
+            raise MigrationRefused(f"request {rid!r}: nothing left to produce ({output} of "
                                    f"{cut.target_len} output tokens, "
                                    f"max_tokens {request.sampling.max_tokens})")
         if not transfer_s >= 0:
             raise MigrationRefused(f"request {rid!r}: invalid transfer time {transfer_s}")
-        return self._exclusions(rid, request.sampling, MigrationRefused)
+        excluded, token_range = self._exclusions(rid, request.sampling, MigrationRefused)
+        if cut.after_cut:
+            self._replay(request, cut, excluded, token_range)
+        return excluded, token_range
+
+    def _replay(self, request: BackendRequest, cut: MigrationCut, excluded: tuple[int, ...],
+                token_range: int) -> int:
+        """The generator state after `cut.after_cut`; `MigrationRefused` when a token differs from what the
+        request's generator draws there (the cut would not continue the request's own stream)."""
+        rng = cut.lcg_state
+        for i, token in enumerate(cut.after_cut):
+            rng, expected = draw_token(rng, token_range, excluded)  # never EOS: output < target_len
+            if token != expected:
+                raise MigrationRefused(
+                    f"request {request.request_id!r}: output token {cut.num_output + i + 1} of the ticket "
+                    f"({token}) is not the one this request's generator draws ({expected}); resuming would "
+                    f"not continue its own stream")
+        return rng
 
     def _load_incoming(self, now_s: float) -> None:
         """Allocate blocks for migrated requests in arrival order; start the ready ones (a step's start)."""

@@ -2,7 +2,8 @@
 
 Owns: the mutable record the engine keeps for each request (`Seq`, slotted because `SimEngine.step` reads it
 in its inner loop), the state constants (`WAITING`, `RUNNING`, `DONE`, `INCOMING`) and `MigrationLoad` (how a
-migrated request's KV arrives, for `SimEngine.migration_stats`).
+migrated request's KV arrives, for `SimEngine.migration_stats`) and the per-request token generator
+(`LCG_MUL`, `LCG_INC`, `MASK64`, `draw_token`: `SimEngine.step` inlines the same arithmetic in its loop).
 Must not: schedule, time or decide anything (that is `engine_agent.sim.engine` and its migration half in
 `engine_agent.sim.migration`); read clocks, sleep, do I/O or know asyncio.
 """
@@ -10,6 +11,24 @@ Must not: schedule, time or decide anything (that is `engine_agent.sim.engine` a
 from __future__ import annotations
 
 from engine_agent.domain import RequestId
+
+MASK64 = (1 << 64) - 1
+# Knuth's MMIX linear congruential generator; tokens come from its high bits.
+LCG_MUL = 6364136223846793005
+LCG_INC = 1442695040888963407
+
+
+def draw_token(rng: int, token_range: int, excluded: tuple[int, ...]) -> tuple[int, int]:
+    """(the generator's next state, the token it draws): one of `token_range` ids, skipping the sorted
+    `excluded` ids (what `SimEngine.step` does for every non-EOS token)."""
+    rng = (rng * LCG_MUL + LCG_INC) & MASK64
+    token = (rng >> 33) % token_range
+    for skipped in excluded:
+        if token < skipped:
+            break
+        token += 1
+    return rng, token
+
 
 # INCOMING: a migrated request waiting for its KV blocks or for its modelled transfer to finish.
 WAITING, RUNNING, DONE, INCOMING = 0, 1, 2, 3

@@ -4,7 +4,10 @@ Owns: the sim's `transfer_params` format (`TRANSFER_PARAMS_FORMAT`: the request'
 decided output length, so a migrated request continues with exactly the tokens it would have produced
 unmigrated and seeded requests can move too), building the ticket for a cut (`ticket_for_cut`), and reading a
 ticket back into the cut to resume (`cut_from_ticket`; the request: `base.request_from_ticket`), refusing
-(`MigrationRefused`) a ticket of another backend, model or vocabulary or one whose counts disagree.
+(`MigrationRefused`) a ticket of another backend, model or vocabulary or one whose counts disagree. A ticket
+without KV (`kv_tokens` 0: the gateway's recompute or re-ticket) may carry more output tokens than its
+`transfer_params` were written for: those after the generator state become the cut's `after_cut`, which the
+engine replays and checks.
 Must not: touch engine state (whether the cut fits an engine is `SimEngine.check_migrated_request`), model the
 KV transfer or deliver streams (that is `engine_agent.backends.sim`), read clocks, do I/O or know asyncio.
 """
@@ -105,19 +108,24 @@ def cut_from_ticket(
         raise MigrationRefused(f"ticket from a vocabulary of {params['vocab_size']} tokens; this engine "
                                f"draws from {vocab_size}")
     output = ticket.output_token_ids
-    if params["output_tokens"] != len(output):
-        raise MigrationRefused(f"ticket has {len(output)} output tokens, its transfer_params "
-                               f"{params['output_tokens']}")
+    at_cut = params["output_tokens"]
+    recompute = ticket.kv_tokens == 0
+    if at_cut != len(output) and not (recompute and 0 < at_cut < len(output)):
+        raise MigrationRefused(f"ticket has {len(output)} output tokens, its transfer_params {at_cut}"
+                               + ("" if recompute else " (only a ticket without KV may carry more)"))
+    if recompute and ticket.kv_bytes:
+        raise MigrationRefused(f"ticket without KV tokens claims {ticket.kv_bytes} KV bytes")
     if ticket.remaining_tokens != ticket.sampling.max_tokens - len(output):
         raise MigrationRefused(f"ticket's remaining_tokens ({ticket.remaining_tokens}) is not max_tokens "
                                f"({ticket.sampling.max_tokens}) minus its {len(output)} output tokens")
     return MigrationCut(
         request_id=request_id,
         prompt_len=len(ticket.prompt_token_ids),
-        num_output=len(output),
+        num_output=at_cut,
         target_len=params["target_output_len"],
         stop_at_target=params["stop_at_target"],
         lcg_state=params["lcg_state"],
         kv_tokens=ticket.kv_tokens,
         kv_bytes=ticket.kv_bytes,
+        after_cut=tuple(output[at_cut:]),
     )

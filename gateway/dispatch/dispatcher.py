@@ -10,9 +10,11 @@ count client disconnects; time each routing decision and hand it to `on_decision
 apply the life's transport outcomes to outlier detection (`record_outcome`); wait out a retry's jittered
 backoff; and watch for stalls (`StallWatch`): an attempt waiting on its engine that produced no event for
 `engine_stall_timeout_s` is cancelled and becomes a `stall` failure (retried elsewhere before the first
-event, a stream error after it). Must not: decide where to route or whether to retry (the life does), format
-HTTP or SSE (the sink does), parse requests, or mutate the cluster beyond note_dispatch / finish / latency /
-success / failure.
+event, a stream error after it); follow migrations (`_follow`), keeping the token ids a resumed stream
+produced since its ticket's cut, so that a resumption without KV (the life's recompute and re-ticket) goes
+out as the ticket plus those ids (built by the resuming engine's `RecomputingClient`). Must not: decide where
+to route or whether to retry (the life does), format HTTP or SSE (the sink does), parse requests, or mutate
+the cluster beyond note_dispatch / finish / latency / success / failure.
 
 Stall detection costs the relay two attribute writes and an increment per event: one `StallWatch` task scans
 the open attempts every `tick_s` (a quarter of the timeout, at most 1 s), so a stall is noticed between
@@ -62,7 +64,7 @@ from gateway.domain import (
     Migrated,
     StreamEvent,
 )
-from gateway.engines.base import EngineClient, MigratingClient
+from gateway.engines.base import EngineClient, MigratingClient, RecomputingClient
 from gateway.observability.metrics import GatewayMetrics
 from gateway.policies.base import Policy
 from switchyard.clock import Clock
@@ -219,6 +221,7 @@ class Dispatcher:
             session_last_used_s=session_last_used_s,
             max_attempts=self._max_attempts,
             budget=self._budget,
+            recompute=True,
         )
         policy_name, policy = self._policies.resolve(hints.policy_name)
         state, clock, metrics = self._state, self._clock, self._metrics
@@ -302,8 +305,15 @@ class Dispatcher:
     ) -> AsyncIterator[EngineEvent]:
         """Resume a migrated choice where the life says (`ChoiceLife.follow`) and relay the rest of its
         stream: the resumed stream's `Admitted` is dropped (the client had the role chunk), its first
-        `skip_tokens` tokens too (the client has them), and a resumed stream can migrate again."""
+        `skip_tokens` tokens too (the client has them), and a resumed stream can migrate again.
+
+        The token ids a resumed stream produced since the ticket's cut (relayed or dropped) are kept here, not
+        in the pure life: a resumption without KV (`Follow.recompute`: every engine refused the KV, or the
+        resumed engine died mid-stream) goes out as the ticket re-built by the resuming engine's client
+        (`RecomputingClient.without_kv`) with the ticket's output tokens plus these, and drops the tokens the
+        client has beyond them."""
         state, clock, metrics, watch = self._state, self._clock, self._metrics, self.stall_watch
+        after_cut: list[int] = []  # token ids the resumed streams produced since `life.ticket`'s cut
         while True:
             ticket = life.ticket
             assert ticket is not None
@@ -317,14 +327,30 @@ class Dispatcher:
             dispatch = step.dispatch
             engine_id = dispatch.engine_id
             client = state.client(engine_id)
-            if not isinstance(client, MigratingClient):
-                life.on_follow_failed(f"engine {engine_id} cannot resume a migrated request")
+            if not isinstance(client, MigratingClient) or (
+                step.recompute and not isinstance(client, RecomputingClient)
+            ):
+                life.on_follow_failed(f"engine {engine_id} cannot resume a migrated request this way")
                 life.on_closed()
                 continue
-            record_dispatch(state, dispatch)
-            stream = client.resume(step.ticket, request)
-            watched = watch.open() if watch is not None else None
             skip = step.skip_tokens
+            resume_ticket = step.ticket
+            if step.recompute:
+                assert isinstance(client, RecomputingClient)
+                skip = life.relayed - ticket.output_tokens - len(after_cut)
+                if skip < 0:  # a delta without its token ids: the re-ticket would not match the client's
+                    life.on_follow_failed("the relayed token ids are incomplete: cannot re-ticket")
+                    life.on_closed()
+                    continue
+                try:
+                    resume_ticket = client.without_kv(ticket, after_cut)
+                except ValueError as e:
+                    life.on_follow_failed(str(e))
+                    life.on_closed()
+                    continue
+            record_dispatch(state, dispatch)
+            stream = client.resume(resume_ticket, request)
+            watched = watch.open() if watch is not None else None
             resumed = False
             try:
                 try:
@@ -343,8 +369,11 @@ class Dispatcher:
                 while True:
                     if isinstance(event, Migrated):
                         life.on_migrated(event.ticket)
+                        after_cut.clear()
                         timing.migrated_s = clock.now()
                         break
+                    if isinstance(event, Delta):  # a re-ticket's stream starts after the ids it carries
+                        after_cut.extend(event.token_ids)
                     if isinstance(event, Delta) and skip > 0:
                         if event.num_tokens > skip:
                             raise EngineStreamError(
@@ -361,10 +390,19 @@ class Dispatcher:
                         if finished:
                             return
                     event = await _stream_event(stream, watched)
-            except EngineStreamError:
+            except EngineStreamError as e:
                 stalled = watched is not None and watched.stalled
                 if life.current is not None:
                     self._apply(life.failure("stall" if stalled else "server_errors", clock.now()))
+                    if resumed and life.on_resume_failed(str(e)):  # re-ticket from what was relayed
+                        log.info(
+                            "request %s: engine %s failed the resumed stream (%s); re-ticketing without KV",
+                            request.request_id,
+                            engine_id,
+                            e,
+                        )
+                        timing.migrated_s = clock.now()
+                        continue
                 if not resumed:
                     metrics.migrations.labels("failed").inc()
                 metrics.stream_errors.labels("stall" if stalled else "engine").inc()

@@ -24,12 +24,21 @@ executor closes the source attempt (`on_closed` releases it) and asks `follow` w
 the engine the mover named (`ticket.target`), then the policy's pick among the others, then the source itself
 (it still holds the cut's KV until its lease ends; "the engine the mover named" is in the gateway's engine
 ids, the mover passes them as the cut's target), each at most once, at most `max_follows` resumptions per
-choice. `follow` returns a `Follow` (a `Dispatch` to note and `MigrateIn` to open, and how many tokens of the
+choice (resumptions that began; each engine is tried at most once per ticket, so refusals are bounded by the
+fleet). `follow` returns a `Follow` (a `Dispatch` to note and `MigrateIn` to open, and how many tokens of the
 new stream to drop: the splice is by token position, and the client has `relayed` tokens) or a
 `StreamFailed` when no engine is left or the client holds tokens the ticket does not (a gap). A resumed
-attempt that fails before its first event (`on_follow_failed`) moves to the next candidate; one that fails
-after it is a stream error (re-ticketing from the relayed tokens needs engines that resume without KV, not
-built yet). A migrated choice records no latency sample: its TTFT and end-to-end time are not one engine's.
+attempt that fails before its first event (`on_follow_failed`) moves to the next candidate.
+
+Resuming without KV (only with `recompute=True`, which the live dispatcher sets; the simulator does not model
+it yet): when every candidate refused the ticket that carries KV, `follow` goes on with a ticket without KV,
+on any serving engine ("recompute anywhere"); and a resumed attempt that fails after its first
+event (`on_resume_failed`: the target died mid-stream) is re-ticketed the same way, on any serving engine but
+the ones that died. Such a `Follow` has `recompute` set and `skip_tokens` 0: the executor builds the ticket
+from the original one and the token ids it relayed (it keeps them; this class counts them, `relayed`), so the
+resuming engine recomputes prompt + every relayed token and streams only what follows. Each engine is tried
+at most once per ticket kind; every resumption that began counts towards `max_follows`.
+A migrated choice records no latency sample: its TTFT and end-to-end time are not one engine's.
 Later features (escalating a cascade stage, handing over to the next stage) are further events of this class,
 so the simulator runs them too.
 """
@@ -128,6 +137,9 @@ class Follow:
     dispatch: Dispatch
     ticket: MigrationTicket
     skip_tokens: int
+    # Resume without KV: the executor re-tickets `ticket` with the token ids it relayed (`relayed` of them)
+    # and no KV, and drops nothing.
+    recompute: bool = False
 
 
 Decision = Dispatch | GiveUp
@@ -197,7 +209,11 @@ class ChoiceLife:
         "migrated_from",
         "follow_tried",
         "follows",
+        "resumptions",
         "max_follows",
+        "recompute",
+        "bare",
+        "died",
     )
 
     def __init__(
@@ -210,9 +226,10 @@ class ChoiceLife:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         budget: RetryBudget | None = None,
         max_follows: int = DEFAULT_MAX_FOLLOWS,
+        recompute: bool = False,
     ) -> None:
         """`budget`: the executor's gateway-wide retry budget (None: retries bounded by `max_attempts` only,
-        without backoff)."""
+        without backoff). `recompute`: the executor can resume without KV (see the module docstring)."""
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         self.request = request
@@ -233,8 +250,12 @@ class ChoiceLife:
         self.ticket: MigrationTicket | None = None  # the migration being followed
         self.migrated_from: EngineId | None = None  # the engine that cut it
         self.follow_tried: list[EngineId] = []  # engines tried for the current ticket
-        self.follows = 0
+        self.follows = 0  # resumed attempts opened (refused ones too)
+        self.resumptions = 0  # resumed attempts that began (their first event came)
         self.max_follows = max_follows
+        self.recompute = recompute
+        self.bare = False  # following without KV (recompute) rather than the ticket's KV
+        self.died: list[EngineId] = []  # engines that failed a resumed stream after its first event
 
     # ---- routing -------------------------------------------------------------------------------------------
 
@@ -306,6 +327,8 @@ class ChoiceLife:
         transport worked: a success for outlier detection."""
         dispatch = self._open()
         self.streaming = True
+        if self.ticket is not None:
+            self.resumptions += 1
         return Outcome(dispatch.engine_id, None, now_s)
 
     def on_token(self, now_s: float, num_tokens: int = 1) -> None:
@@ -325,19 +348,24 @@ class ChoiceLife:
         self.ticket = ticket
         self.migrated_from = dispatch.engine_id
         self.follow_tried = []
+        self.bare = False
 
     def follow(self, policy: Policy, moment: Moment) -> Follow | StreamFailed:
         """Where to resume the migrated choice (see the module docstring), or why it cannot be."""
         ticket = self.ticket
         if ticket is None or self.current is not None or self.done:
             raise LifeError("follow() without a migration to follow, or with an attempt open")
+        if self.bare:
+            return self._follow_bare(policy, moment, ticket)
         if self.relayed < ticket.output_tokens:
             return self._fail(
                 f"the client has {self.relayed} tokens but the engine cut the request after "
                 f"{ticket.output_tokens}: tokens would be lost"
             )
-        if self.follows >= self.max_follows:
-            return self._fail(f"the request moved {self.follows} times; no further resumption is allowed")
+        if self.resumptions >= self.max_follows:
+            return self._fail(
+                f"the request resumed {self.resumptions} times; no further resumption is allowed"
+            )
         serving = {e.engine_id for e in moment.snapshot.serving(self.request.model)}
         source = self.migrated_from  # the gateway's id (the ticket names the agent's)
         assert source is not None
@@ -362,18 +390,73 @@ class ChoiceLife:
         if engine_id is None and source not in tried and source in serving:
             engine_id = source
         if engine_id is None:
-            detail = f": {self.last_error}" if self.last_error else ""
-            return self._fail(f"no engine could resume the migrated request{detail}")
-        tried.append(engine_id)
+            if self.recompute:  # every candidate refused the KV: recompute anywhere
+                self.bare = True
+                self.follow_tried = []
+                return self._follow_bare(policy, moment, ticket)
+            return self._no_engine()
+        return self._open_follow(engine_id, features, ticket, self.relayed - ticket.output_tokens, False)
+
+    def _follow_bare(self, policy: Policy, moment: Moment, ticket: MigrationTicket) -> Follow | StreamFailed:
+        """Resume without KV on any serving engine not tried for this kind of ticket and not dead."""
+        if self.resumptions >= self.max_follows:
+            return self._fail(
+                f"the request resumed {self.resumptions} times; no further resumption is allowed"
+            )
+        excluded = frozenset((*self.follow_tried, *self.died))
+        features = build_features(
+            self.request,
+            self.hints,
+            prompt_tokens=self.prompt_tokens,
+            now_s=moment.now_s,
+            dispatch_seq=moment.dispatch_seq,
+            rand=moment.rand,
+            session_engine=None,
+            session_last_used_s=0.0,
+            exclude=excluded,
+        )
+        engine_id = policy.pick(features, moment.snapshot)
+        if engine_id is None:
+            return self._no_engine()
+        return self._open_follow(engine_id, features, ticket, 0, True)
+
+    def _open_follow(
+        self,
+        engine_id: EngineId,
+        features: RequestFeatures,
+        ticket: MigrationTicket,
+        skip_tokens: int,
+        recompute: bool,
+    ) -> Follow:
+        self.follow_tried.append(engine_id)
         self.follows += 1
         dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried) + self.follows)
         self.current = dispatch
-        return Follow(dispatch, ticket, self.relayed - ticket.output_tokens)
+        return Follow(dispatch, ticket, skip_tokens, recompute)
+
+    def _no_engine(self) -> StreamFailed:
+        detail = f": {self.last_error}" if self.last_error else ""
+        return self._fail(f"no engine could resume the migrated request{detail}")
 
     def on_follow_failed(self, error: str) -> None:
         """The resumed attempt failed before its first event: `follow` tries the next candidate."""
         self._open()
         self.last_error = error
+
+    def on_resume_failed(self, error: str) -> bool:
+        """The resumed attempt failed after its first event (its engine died mid-stream). True: close it and
+        `follow` again, re-ticketed without KV from the relayed tokens, on an engine other than the dead
+        ones; False (not a migrated choice, or the life cannot recompute): a stream error, and the life is
+        done."""
+        dispatch = self._open()
+        if self.ticket is None or not self.recompute or self.done:
+            self.done = True
+            return False
+        self.last_error = error
+        self.died.append(dispatch.engine_id)
+        self.bare = True
+        self.follow_tried = []
+        return True
 
     def _fail(self, message: str) -> StreamFailed:
         self.done = True

@@ -8,7 +8,7 @@ Must not: know about HTTP clients of the gateway, SSE formatting or policies.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from gateway.domain import EngineDescription, EngineReport, EngineRequest, MigrationTicket, StreamEvent
@@ -45,4 +45,15 @@ class MigratingClient(Protocol):
 
     def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         """Continue a cut request here: the events after the cut, like `generate`'s."""
+        ...
+
+
+@runtime_checkable
+class RecomputingClient(Protocol):
+    """An engine that resumes a cut request without its KV, recomputing it (the gRPC agents)."""
+
+    def without_kv(self, ticket: MigrationTicket, after_cut: Sequence[int]) -> MigrationTicket:
+        """`ticket` re-built to resume without KV after its output tokens plus `after_cut` (token ids
+        produced since the cut, which the client has): no KV to pull, the output budget reduced to match.
+        ValueError when `ticket` is not this transport's or `after_cut` exceeds the budget."""
         ...

@@ -12,7 +12,8 @@ elsewhere), except INVALID_ARGUMENT, which is `EngineRequestError` (the API answ
 first event is `EngineStreamError`. Closing the generator early cancels the request (a `cancel` on the
 session, or the Generate call's cancel), and the agent aborts it. Migration (STAR §5.4): a stream may end with
 `Migrated(ticket)` instead of `Finished`; `migrate_out` cuts a request (MigrateOut) and `resume` continues one
-on another agent (MigrateIn), with the same error mapping as `generate`.
+on another agent (MigrateIn), with the same error mapping as `generate`; `without_kv` re-builds a ticket to
+resume without KV after the tokens the gateway relayed since the cut (`ticket_without_kv`).
 An agent that refuses the gateway's credentials (UNAUTHENTICATED, PERMISSION_DENIED on GetInfo or WatchState)
 is an error in the log naming the engine (once, until it accepts them again; the cluster store's backoff paces
 the retries), and the `EngineUnavailable` says which setting to check; a channel that does not connect over
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, cast
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from gateway.domain import (
     Admitted,
@@ -145,6 +147,28 @@ def from_ticket(ticket: pb.MigrationTicket) -> MigrationTicket:
         kv_bytes=ticket.kv_bytes,
         encoded=ticket.SerializeToString(),
     )
+
+
+def ticket_without_kv(ticket: MigrationTicket, after_cut: Sequence[int]) -> MigrationTicket:
+    """The re-ticket to resume without KV (the splice's "recompute anywhere" and its re-ticket after a target
+    died mid-stream): `ticket.encoded` with `after_cut` appended to its output tokens, `remaining_tokens`
+    reduced by as many, and no KV (`kv_tokens`, `kv_bytes` 0; the backend-specific `transfer_params` are kept:
+    the sim's carry its token generator's state at the cut, which the agent replays over `after_cut`).
+    ValueError when `encoded` is no ticket or `after_cut` exceeds the output budget."""
+    try:
+        message = pb.MigrationTicket.FromString(ticket.encoded)
+    except DecodeError as exc:
+        raise ValueError(f"ticket {ticket.request_id!r} is not an agent's ticket: {exc}") from None
+    if len(after_cut) > message.remaining_tokens:
+        raise ValueError(
+            f"ticket {ticket.request_id!r}: {len(after_cut)} tokens after the cut exceed the "
+            f"{message.remaining_tokens} left"
+        )
+    message.output_token_ids.ids.extend(after_cut)
+    message.remaining_tokens -= len(after_cut)
+    message.kv_tokens = 0
+    message.kv_bytes = 0
+    return from_ticket(message)
 
 
 def from_engine_state(state: pb.EngineState) -> EngineReport:
@@ -431,6 +455,10 @@ class GrpcEngineClient:
                 raise MigrationRefusedError(detail) from exc
             raise EngineUnavailable(detail) from exc
         return from_ticket(ticket)
+
+    def without_kv(self, ticket: MigrationTicket, after_cut: Sequence[int]) -> MigrationTicket:
+        """`ticket_without_kv`: the ticket to resume without KV here."""
+        return ticket_without_kv(ticket, after_cut)
 
     def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         """Resume a migrated request here (`MigrateIn`) as `request.request_id`: its continuation's events,

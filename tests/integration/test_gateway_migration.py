@@ -4,12 +4,16 @@ A seeded streaming request is cut mid-stream (`POST /admin/migrate`) and resumed
 gateway's splice; the client's text equals, byte for byte, the same request served unmigrated (the sim
 carries each request's token-generator state in its ticket). With the target frozen (SIGSTOP: it neither
 answers nor closes), the splice gives up on it after the stall timeout and the source resumes its own cut.
+With the target killed (SIGKILL) after it has streamed part of the resumed request, the gateway re-tickets
+without KV from the tokens it relayed and the source recomputes and continues: the text is again identical.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -139,3 +143,60 @@ async def test_a_frozen_target_falls_back_to_the_source(agents: tuple[Agent, Age
         lines = await metric(url, "switchyard_migrations_total")
     assert "".join(text) == reference
     assert 'switchyard_migrations_total{outcome="fallback"} 1.0' in lines, lines
+
+
+@pytest.fixture
+def fresh_agents(tmp_path: Path) -> Iterator[tuple[Agent, Agent]]:
+    """Two agents of the test's own (it kills one)."""
+    a = Agent.start(tmp_path, "--state-interval-ms", "20")
+    b = Agent.start(tmp_path, "--state-interval-ms", "20")
+    try:
+        yield a, b
+    finally:
+        for agent in (a, b):
+            if agent.proc.poll() is None:
+                assert agent.terminate() == 0, agent.log()
+
+
+async def test_a_target_killed_mid_stream_is_re_ticketed_and_the_stream_continues(
+    fresh_agents: tuple[Agent, Agent],
+) -> None:
+    a, b = fresh_agents
+    first, second = sorted((a, b), key=lambda agent: agent.target)
+    body = {**BODY, "max_tokens": 600}
+    kill_after_chunks = CUT_AFTER_CHUNKS + 60  # the target has streamed at least 60 chunks by then
+    cfg = config(a, b, engine_stall_timeout_s=2.0)
+    async with running(cfg, ready_engines=2) as url:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        async def text_of(request_id: str, *, kill: bool) -> str:
+            parts: list[str] = []
+            async with aiohttp.ClientSession() as http:
+                stream = await client.chat.completions.create(
+                    **body, extra_body={"ignore_eos": True}, extra_headers={"x-request-id": request_id}
+                )
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        parts.append(chunk.choices[0].delta.content)
+                        if kill and len(parts) == CUT_AFTER_CHUNKS:
+                            async with http.post(
+                                f"{url}/admin/migrate",
+                                json={"request_id": request_id, "target": first.target},
+                            ) as r:
+                                answer = await r.json()
+                            assert r.status == 200, answer
+                            assert answer["source"] == f"it-{second.port}"  # round robin's second pick
+                        if kill and len(parts) == kill_after_chunks:
+                            first.proc.kill()
+                            await asyncio.to_thread(first.proc.wait)
+            return "".join(parts)
+
+        reference = await text_of("ref-kill", kill=False)  # served by the first engine
+        moved = await text_of("killed-1", kill=True)  # source: the second; resumed on the first, killed
+        await client.close()
+        lines = await metric(url, "switchyard_migrations_total")
+    assert first.proc.returncode == -signal.SIGKILL
+    assert len(reference) > 500 and moved == reference
+    assert 'switchyard_migrations_total{outcome="resumed"} 1.0' in lines, lines
+    assert 'switchyard_migrations_total{outcome="fallback"} 1.0' in lines, lines  # the source recomputed
+    assert not any('outcome="failed"' in line for line in lines), lines

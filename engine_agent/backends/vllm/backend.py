@@ -6,7 +6,10 @@ the map between our request ids and vLLM's internal ones, engine state (a custom
 step's `SchedulerStats` and iteration details in this process; the scheduler-side figures come from the
 `agent_state` utility, read when the step stats show the request set changed), the hidden-state tap's drain,
 migration over NixlConnector (finish-then-pull, as `engine_side.AgentScheduler.agent_cut` describes; whether
-the agent offers it is decided at start-up, `engine_agent.server.backend_capabilities`), and its background
+the agent offers it is decided at start-up, `engine_agent.server.backend_capabilities`; a ticket without KV,
+`kv_tokens` 0, the gateway's recompute or re-ticket, resumes as a new request whose prompt is prompt + every
+output token: exact for greedy requests up to vLLM's batch-dependent numerics, a fresh draw from the same
+distribution for sampled ones, which never move seeded: `migrate_out` refuses them), and its background
 tasks: the state reader, a tap drain and a LENS refit at a time, all born after `start` and ended by `stop`
 (none is born once `stop` began).
 Must not: import vLLM at module import time of the agent package (it loads only when this backend is chosen),
@@ -347,10 +350,12 @@ class VllmBackend:
                 f"ticket is for {ticket.backend} model {ticket.model!r}; this engine serves vllm model "
                 f"{static.model!r}"
             )
-        try:
-            transfer = json.loads(ticket.transfer_params)
-        except ValueError as exc:
-            raise MigrationRefused(f"ticket's transfer params are not JSON: {exc}") from exc
+        transfer: dict[str, Any] | None = None
+        if ticket.kv_tokens:  # a ticket without KV (the gateway's recompute or re-ticket) pulls nothing
+            try:
+                transfer = json.loads(ticket.transfer_params)
+            except ValueError as exc:
+                raise MigrationRefused(f"ticket's transfer params are not JSON: {exc}") from exc
         prompt = [*ticket.prompt_token_ids, *ticket.output_token_ids]
         if len(prompt) + ticket.remaining_tokens > static.max_context_tokens:
             raise MigrationRefused("prompt plus remaining budget exceeds this engine's context")
@@ -398,7 +403,7 @@ class VllmBackend:
                 if ids and first_s is None:
                     first_s = clock.now()
                     if ticket is not None:
-                        await self._loaded(stream, out)
+                        await self._loaded(stream, out, pulled=bool(ticket.kv_tokens))
                 if out.finished:
                     done = True
                     if stream.cut is not None:
@@ -449,13 +454,15 @@ class VllmBackend:
                 self._busy.clear()
             self._state.publish()
 
-    async def _loaded(self, stream: _Stream, out: Any) -> None:
-        """First token of a migrated-in request: its KV arrived; record how, and stop holding it at finish."""
+    async def _loaded(self, stream: _Stream, out: Any, *, pulled: bool) -> None:
+        """First token of a migrated-in request: its KV arrived (`pulled`) or was recomputed; record how, and
+        stop holding a pulled request's KV at finish."""
         ticket = stream.migrated_in
         assert ticket is not None
-        with contextlib.suppress(Exception):
-            await self._llm.engine_core.call_utility_async("agent_forget_transfer", stream.internal_id)
-        loaded = int(out.num_cached_tokens or 0)
+        if pulled:
+            with contextlib.suppress(Exception):
+                await self._llm.engine_core.call_utility_async("agent_forget_transfer", stream.internal_id)
+        loaded = int(out.num_cached_tokens or 0) if pulled else 0  # else: local prefix-cache hits at most
         total = len(ticket.prompt_token_ids) + len(ticket.output_token_ids)
         self._migration_stats[stream.request_id] = MigrationStats(
             kv_tokens_loaded=loaded,

@@ -96,7 +96,7 @@ def engine_args(model_dir: str, model_name: str, engine_id: str, cfg: VllmConfig
                 "bidirectional_kv_xfer": True,
                 # Always pull migrated KV, however short: recomputing would not be a migration.
                 "kv_recompute_threshold": 0,
-                "decoder_kv_blocks_ttl": cfg.kv_hold_ttl_s,
+                "decoder_kv_blocks_ttl": cfg.migration_kv_lease_s,
                 # UCX progress threads poll; vLLM's default of 4 starves the engine on a small CPU box.
                 "num_threads": cfg.nixl_num_threads
                 if cfg.nixl_num_threads is not None

@@ -398,3 +398,92 @@ def test_text_across_a_cut_equals_the_unmigrated_text(stops: list[str]) -> None:
         assert released + catch_up + rest == expected, cut
     # Token-by-token delivery (stops set) never needs a catch-up; grouped delivery does after a partial token.
     assert caught_up == (0 if stops else len([i for i in partial if i > 0]))
+
+
+# -- resuming without KV (recompute; the gateway's re-ticket) -----------------------------------------------
+
+
+@pytest.mark.parametrize("relayed_after_cut", [0, 9], ids=["at-the-cut", "re-ticket"])
+def test_a_cut_without_kv_recomputes_and_continues_the_unmigrated_stream(relayed_after_cut: int) -> None:
+    req = request("r", 100, 64, seed=7)
+    reference, reference_finish = unmigrated(req)
+    source, target = SimEngine(BASE), SimEngine(BASE, seed=5)
+    source.add_request(req, 0.0)
+    tokens: dict[str, list[int]] = {}
+    now_s = step_until(source, 0.0, tokens, {}, steps=21)
+    cut = source.migrate_out(req.request_id, now_s)
+    # A target that died had streamed `relayed_after_cut` more tokens, which the client has.
+    extra = tuple(reference[21 : 21 + relayed_after_cut])
+    bare = dataclasses.replace(cut, kv_tokens=0, kv_bytes=0, after_cut=extra)
+    target.add_migrated_request(req, bare, now_s, transfer_s=0.0)
+    assert target.stats(now_s).pending_prefill_tokens == 100 + 21 + relayed_after_cut
+    first = target.step(now_s)
+    # One prefill of prompt + every output token (timed by the performance model), then its next token.
+    record = first.record
+    assert (record.num_prefill_seqs, record.num_prefill_tokens) == (1, 100 + 21 + relayed_after_cut)
+    assert first.duration_s > 0 and [rid for rid, _ in first.tokens] == ["r"]
+    finished: dict[str, FinishEvent] = {}
+    after = [first.tokens[0][1]]
+    tokens = {}
+    step_until(target, now_s + first.duration_s, tokens, finished)
+    after += tokens["r"]
+    assert reference[:21] + list(extra) + after == reference
+    assert finished["r"].usage == reference_finish.usage
+    stats = target.migration_stats(RequestId("r"))
+    assert stats is None  # finished: the engine forgot it (the backend keeps its own record)
+    assert target.stats(0.0).kv_blocks_free == BASE.kv_blocks_total
+
+
+def test_a_re_ticket_whose_tokens_the_generator_does_not_draw_is_refused() -> None:
+    req = request("r", 50, 64)
+    reference, _ = unmigrated(req)
+    source, target = SimEngine(BASE), SimEngine(BASE)
+    source.add_request(req, 0.0)
+    now_s = step_until(source, 0.0, {}, {}, steps=11)
+    cut = source.migrate_out(req.request_id, now_s)
+    wrong = (*reference[11:14], reference[14] + 1)
+    with pytest.raises(MigrationRefused, match="output token 15 .* not the one"):
+        target.add_migrated_request(req, dataclasses.replace(cut, kv_tokens=0, kv_bytes=0, after_cut=wrong),
+                                    now_s, 0.0)
+    with pytest.raises(MigrationRefused, match="cannot carry output tokens"):
+        target.check_migrated_request(req, dataclasses.replace(cut, after_cut=tuple(reference[11:13])), 0.0)
+    with pytest.raises(MigrationRefused, match="nothing left"):
+        target.check_migrated_request(
+            req, dataclasses.replace(cut, kv_tokens=0, kv_bytes=0, after_cut=tuple(reference[11:])), 0.0)
+    assert not target.has_work() and target.stats(now_s).kv_blocks_free == BASE.kv_blocks_total
+
+
+async def test_backend_resumes_a_ticket_without_kv_carrying_more_tokens_than_its_cut() -> None:
+    a, b, c = backend("a"), backend("b", kv_transfer_gbps=10.0, kv_transfer_latency_s=0.5), backend("c")
+    for engine in (a, b, c):
+        await engine.start()
+    try:
+        req = request("re-1", 200, 60, seed=3)
+        reference, ref_finish = await collect(c.generate(req))
+        received: list[int] = []
+        ticket: MigrationTicket | None = None
+        async for event in a.generate(req):
+            if isinstance(event, TokenEvent):
+                received.extend(event.token_ids)
+                if len(received) >= 8 and ticket is None:
+                    ticket = await a.migrate_out(RequestId("re-1"), "b")
+        assert ticket is not None and received == list(ticket.output_token_ids)
+        relayed = tuple(reference[: len(received) + 6])  # a target streamed 6 more tokens, then died
+        bare = dataclasses.replace(ticket, output_token_ids=relayed, remaining_tokens=60 - len(relayed),
+                                   kv_tokens=0, kv_bytes=0)
+        with pytest.raises(MigrationRefused, match="only a ticket without KV"):
+            b.migrate_in(dataclasses.replace(bare, kv_tokens=ticket.kv_tokens), RequestId("re-1"))
+        wrong = dataclasses.replace(bare, output_token_ids=(*relayed[:-1], relayed[-1] + 1))
+        with pytest.raises(MigrationRefused, match="not the one"):
+            b.migrate_in(wrong, RequestId("re-1"))
+        continued, finish = await collect(b.migrate_in(bare, RequestId("re-1")))
+        assert list(relayed) + continued == reference
+        assert isinstance(finish, FinishEvent) and isinstance(ref_finish, FinishEvent)
+        assert finish.usage == ref_finish.usage == Usage(200, 60)
+        # No transfer (the 0.5 s latency is not paid): the prompt and output were recomputed.
+        assert b.migration_stats(RequestId("re-1")) == MigrationStats(0, 200 + len(relayed) - 1, 0, 0.0)
+        for engine in (a, b, c):
+            assert engine.stats().kv_blocks_free == BASE.kv_blocks_total
+    finally:
+        for engine in (a, b, c):
+            await engine.stop()

@@ -2,14 +2,18 @@
 the client sees one stream, every token once. Fakes play the engines behind the real app; every fault the
 splice handles has a case here: the named target refuses (the policy's next engine resumes), every other
 engine refuses (the source resumes), nobody can (one error event, no repeated text), a gap in the positions
-(error), duplicates (dropped), the resumed stream failing, a second migration."""
+(error), duplicates (dropped), the resumed stream failing, a second migration; and resuming without KV: every
+engine refuses the KV ticket (recompute anywhere), the target dies after streaming (re-ticket from the relayed
+tokens, another engine continues), the re-ticket refused everywhere (one error event)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
+import pytest
 from fake_engines import MODEL, FakeEngine, Script, script, serving
 
 from gateway.app import METRICS_KEY
@@ -24,7 +28,9 @@ from gateway.domain import (
     MigrationTicket,
     StreamEvent,
 )
-from gateway.engines.base import MigratingClient
+from gateway.engines.base import MigratingClient, RecomputingClient
+from gateway.engines.grpc_client import ticket_without_kv
+from switchyard.proto_gen import engine_agent_pb2 as pb
 
 CHAT = "/v1/chat/completions"
 
@@ -42,9 +48,10 @@ class MovingEngine(FakeEngine):
 
     def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         self.resumed.append(ticket)
-        return self._play(
-            self.resume_script or script(EngineUnavailable(f"{self.engine_id} refuses")), request
-        )
+        steps = self.bare_script if ticket.kv_tokens == 0 else self.resume_script
+        return self._play(steps or script(EngineUnavailable(f"{self.engine_id} refuses")), request)
+
+    bare_script: Script | None = None
 
     async def _play(self, steps: Script, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         try:
@@ -56,6 +63,22 @@ class MovingEngine(FakeEngine):
                 yield step
         finally:
             self.closed_streams += 1
+
+
+class RecomputingEngine(MovingEngine):
+    """A fake that also resumes without KV: `without_kv` records the ids it re-tickets with, and `resume` of a
+    ticket without KV plays `bare_script` (none: refuses)."""
+
+    def __init__(self, engine_id: str, generate_script: Script, resume_script: Script | None = None,
+                 bare_script: Script | None = None) -> None:
+        super().__init__(engine_id, generate_script, resume_script)
+        self.bare_script = bare_script
+        self.after_cut: list[tuple[int, ...]] = []
+
+    def without_kv(self, ticket: MigrationTicket, after_cut: Sequence[int]) -> MigrationTicket:
+        self.after_cut.append(tuple(after_cut))
+        return dataclasses.replace(ticket, output_tokens=ticket.output_tokens + len(after_cut), kv_tokens=0,
+                                   kv_bytes=0, encoded=b"bare")
 
 
 def ticket(out: int, target: str = "t", source: str = "s") -> MigrationTicket:
@@ -177,3 +200,64 @@ async def test_a_resumed_stream_that_fails_ends_with_an_error_and_a_second_migra
         assert [t.output_tokens for t in u.resumed] == [3]
         app = client.server.app
         assert app[METRICS_KEY].migrations.labels("resumed")._value.get() == 2
+
+
+def test_a_ticket_without_kv_carries_the_relayed_tokens_and_no_kv() -> None:
+    message = pb.MigrationTicket(request_id="r1", source_engine_id="s", target="t", backend="sim",
+                                 remaining_tokens=10, kv_tokens=12, kv_bytes=1200, transfer_params=b"{}")
+    message.output_token_ids.ids.extend([1, 2])
+    message.prompt_token_ids.ids.extend([7] * 11)
+    original = dataclasses.replace(ticket(2), encoded=message.SerializeToString())
+    bare = ticket_without_kv(original, [3, 4, 5])
+    assert (bare.output_tokens, bare.kv_tokens, bare.kv_bytes, bare.target) == (5, 0, 0, "t")
+    again = pb.MigrationTicket.FromString(bare.encoded)
+    assert list(again.output_token_ids.ids) == [1, 2, 3, 4, 5] and again.remaining_tokens == 7
+    assert list(again.prompt_token_ids.ids) == [7] * 11 and again.transfer_params == b"{}"
+    assert ticket_without_kv(original, []).output_tokens == 2  # recompute at the cut
+    with pytest.raises(ValueError, match="exceed"):
+        ticket_without_kv(original, list(range(11)))
+    with pytest.raises(ValueError, match="not an agent's ticket"):
+        ticket_without_kv(dataclasses.replace(original, encoded=b"\xff\xff"), [])
+
+
+async def test_when_every_engine_refuses_the_kv_the_request_is_recomputed_without_it() -> None:
+    source = RecomputingEngine("s", SOURCE)
+    target = RecomputingEngine("t", script(), None, CONTINUATION)  # refuses the KV, resumes without it
+    assert isinstance(target, RecomputingClient)
+    async with serving(source, target) as client:
+        text, objs = await stream(client)
+        assert text == "abcd" and not any("error" in o for o in objs)
+        assert objs[-1]["usage"]["completion_tokens"] == 4
+        kinds = [(t.kv_tokens, t.output_tokens) for t in source.resumed + target.resumed]
+        assert sorted(kinds) == [(0, 2), (10, 2), (10, 2)]  # both refused the KV; one recomputed
+        assert source.after_cut + target.after_cut == [()]  # at the cut: nothing relayed since
+
+
+async def test_a_target_that_dies_after_streaming_is_re_ticketed_and_another_engine_continues() -> None:
+    dies = script(Admitted(5), tok("c", 3), tok("d", 4), EngineStreamError("target killed"))
+    rest = script(Admitted(5), tok("e", 5), Finished("length", 5, 5))
+    source = RecomputingEngine("s", SOURCE)  # refuses a ticket without KV
+    target = RecomputingEngine("t", script(), dies, rest)  # would resume a re-ticket, but it died
+    other = RecomputingEngine("u", script(), None, rest)
+    async with serving(source, target, other) as client:
+        text, objs = await stream(client)
+        assert text == "abcde" and not any("error" in o for o in objs)  # no repeated text, no error
+        assert objs[-2]["choices"][0]["finish_reason"] == "length"
+        assert objs[-1]["usage"]["completion_tokens"] == 5
+        assert [t.kv_tokens for t in target.resumed] == [10]  # the dead engine is not tried again
+        assert [(t.kv_tokens, t.output_tokens) for t in other.resumed] == [(0, 4)]
+        # The re-ticket: the ticket's 2 tokens plus the 2 the dead target streamed, built by u's client.
+        assert other.after_cut == [(3, 4)] and target.after_cut == []
+        assert 'outcome="failed"' not in await migrations(client)
+
+
+async def test_a_re_ticket_refused_everywhere_ends_with_one_error_and_no_repeated_text() -> None:
+    dies = script(Admitted(5), tok("c", 3), EngineStreamError("target killed"))
+    source, target = RecomputingEngine("s", SOURCE), RecomputingEngine("t", script(), dies)
+    async with serving(source, target) as client:
+        text, objs = await stream(client)
+        assert text == "abc"
+        errors = [o for o in objs if "error" in o]
+        assert len(errors) == 1 and "resume" in errors[0]["error"]["message"]
+        assert [(t.kv_tokens, t.output_tokens) for t in source.resumed] == [(0, 3)]  # the source refused it
+        assert 'outcome="failed"} 1.0' in await migrations(client)
