@@ -90,6 +90,7 @@ class _Stream:
     request: BackendRequest
     output_ids: list[int] = field(default_factory=list)
     cut: asyncio.Future[MigrationTicket] | None = None
+    cut_target: str = ""  # MigrateOut's target, carried by the ticket of the stream's `migrated` event
     migrated_in: MigrationTicket | None = None
 
 
@@ -492,7 +493,7 @@ class VllmBackend:
         return MigrationTicket(
             request_id=request.request_id,
             source_engine_id=self._engine_id,
-            target="",
+            target=stream.cut_target,
             backend="vllm",
             model=self.static.model,
             prompt_token_ids=tuple(prompt),
@@ -527,12 +528,12 @@ class VllmBackend:
         if stream.cut is not None:
             raise MigrationRefused("a migration of this request is already in progress")
         stream.cut = asyncio.get_running_loop().create_future()
+        stream.cut_target = target
         answer = await self._llm.engine_core.call_utility_async("agent_cut", stream.internal_id)
         if "error" in answer:
             stream.cut = None
             raise MigrationRefused(str(answer["error"]))
-        ticket = await asyncio.wait_for(asyncio.shield(stream.cut), _CUT_TIMEOUT_S)
-        return dataclasses.replace(ticket, target=target)
+        return await asyncio.wait_for(asyncio.shield(stream.cut), _CUT_TIMEOUT_S)
 
     def migration_stats(self, request_id: RequestId) -> MigrationStats | None:
         return self._migration_stats.get(request_id)
