@@ -11,7 +11,6 @@ an async context manager or call `stop()` in a finally).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,19 +18,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-import grpc
-import grpc.aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from engine_agent.processes import AgentProcessError, terminate, wait_serving
+
+# An agent could not be started (it exited, or did not serve in time); the launcher's name for it.
+FleetError = AgentProcessError
 
 Backend = Literal["sim", "vllm"]
 BACKENDS: tuple[Backend, ...] = ("sim", "vllm")
 # How long an agent may take to answer SERVING: the sim starts in about a second; vLLM on a CPU loads the
 # model, compiles and profiles memory first (30-90 s for a tiny model).
 DEFAULT_START_TIMEOUT_S: dict[Backend, float] = {"sim": 60.0, "vllm": 300.0}
-
-
-class FleetError(RuntimeError):
-    """An agent could not be started (it exited, or did not serve in time)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,39 +96,6 @@ def plan_agents(
         )
         for i in range(count)
     ]
-
-
-async def wait_serving(address: str, proc: asyncio.subprocess.Process | None, timeout_s: float) -> None:
-    """Until the agent at `address` answers health SERVING; FleetError if `proc` exits or time runs out."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc is not None and proc.returncode is not None:
-                raise FleetError(f"agent at {address} exited with status {proc.returncode} before serving")
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if loop.time() >= deadline:
-                raise FleetError(f"agent at {address} did not serve within {timeout_s:g} s")
-            await asyncio.sleep(0.1)
-
-
-async def terminate(proc: asyncio.subprocess.Process, grace_s: float) -> int:
-    """SIGTERM, wait up to `grace_s`, then SIGKILL; always reaped. Returns the exit status."""
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-    return await proc.wait()
 
 
 class LocalFleet:

@@ -16,7 +16,6 @@ Request ids are `<run tag>-<index>` with a random run tag, so shards of several 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import sys
 import uuid
@@ -29,8 +28,8 @@ from typing import Literal, Protocol
 import grpc
 import grpc.aio
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_agent.processes import AgentProcessError, terminate, wait_serving
 from engine_agent.star.shards import SHARD_SUFFIX
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
@@ -144,36 +143,6 @@ def _agent_command(options: CollectOptions, index: int, port: int) -> list[str]:
     ]
 
 
-async def _wait_serving(address: str, proc: asyncio.subprocess.Process, timeout_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.returncode is not None:
-                raise CollectError(f"the agent at {address} exited with status {proc.returncode} before "
-                                   "serving (its errors are above)")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            if loop.time() >= deadline:
-                raise CollectError(f"the agent at {address} did not serve within {timeout_s:g} s")
-            await asyncio.sleep(0.1)
-
-
-async def _terminate(proc: asyncio.subprocess.Process, grace_s: float) -> int:
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-    return await proc.wait()
-
-
 async def _replay_one(stub: pb_grpc.EngineAgentStub, request: pb.GenerateRequest,
                       slots: asyncio.Semaphore) -> str:
     """'completed', or why not (the finish reason, or the RPC's status code)."""
@@ -214,7 +183,11 @@ async def collect(requests: Sequence[ReplayRequest], options: CollectOptions,
             procs.append(await asyncio.create_subprocess_exec(
                 *_agent_command(options, i, port), stdin=asyncio.subprocess.DEVNULL))
         addresses = [f"127.0.0.1:{port}" for port in ports]
-        await asyncio.gather(*(_wait_serving(a, p, timeout_s) for a, p in zip(addresses, procs, strict=True)))
+        try:
+            waits = (wait_serving(a, p, timeout_s) for a, p in zip(addresses, procs, strict=True))
+            await asyncio.gather(*waits)
+        except AgentProcessError as exc:
+            raise CollectError(f"{exc} (its errors are above)") from None
         if progress is not None:
             progress(f"{len(procs)} agent(s) serving; replaying {len(wire)} request(s)")
         channels = [grpc.aio.insecure_channel(a) for a in addresses]
@@ -237,7 +210,7 @@ async def collect(requests: Sequence[ReplayRequest], options: CollectOptions,
             for channel in channels:
                 await channel.close()
     finally:
-        await asyncio.gather(*(_terminate(p, STOP_GRACE_S) for p in procs), return_exceptions=True)
+        await asyncio.gather(*(terminate(p, STOP_GRACE_S) for p in procs), return_exceptions=True)
     after = await asyncio.to_thread(_shards_in, options.out)
     completed = outcomes.pop("completed", 0)
     return CollectReport(requests=len(wire), completed=completed, failed=dict(outcomes),

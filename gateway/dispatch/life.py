@@ -267,17 +267,7 @@ class ChoiceLife:
             return self._give_up()
         if not self.tried and self.budget is not None:
             self.budget.on_start(moment.now_s)
-        features = build_features(
-            self.request,
-            self.hints,
-            prompt_tokens=self.prompt_tokens,
-            now_s=moment.now_s,
-            dispatch_seq=moment.dispatch_seq,
-            rand=moment.rand,
-            session_engine=self.session_engine,
-            session_last_used_s=self.session_last_used_s,
-            exclude=frozenset(self.tried),
-        )
+        features = self._features(moment, frozenset(self.tried), follow=False)
         engine_id = policy.pick(features, moment.snapshot)
         if engine_id is None:
             return self._give_up()
@@ -286,6 +276,21 @@ class ChoiceLife:
         self.current = dispatch
         self.decisions.append(dispatch)
         return dispatch
+
+    def _features(self, moment: Moment, exclude: frozenset[EngineId], *, follow: bool) -> RequestFeatures:
+        """The policy's view of this choice at `moment`, without `exclude`. A follow (resuming a migrated
+        choice) ignores session affinity: the session's engine is the one that just gave the request up."""
+        return build_features(
+            self.request,
+            self.hints,
+            prompt_tokens=self.prompt_tokens,
+            now_s=moment.now_s,
+            dispatch_seq=moment.dispatch_seq,
+            rand=moment.rand,
+            session_engine=None if follow else self.session_engine,
+            session_last_used_s=0.0 if follow else self.session_last_used_s,
+            exclude=exclude,
+        )
 
     def _give_up(self, why: str = "") -> GiveUp:
         detail = (
@@ -374,17 +379,7 @@ class ChoiceLife:
         named = EngineId(ticket.target)
         if ticket.target and named in serving and named not in tried:
             engine_id = named
-        features = build_features(
-            self.request,
-            self.hints,
-            prompt_tokens=self.prompt_tokens,
-            now_s=moment.now_s,
-            dispatch_seq=moment.dispatch_seq,
-            rand=moment.rand,
-            session_engine=None,
-            session_last_used_s=0.0,
-            exclude=frozenset((*tried, source)),
-        )
+        features = self._features(moment, frozenset((*tried, source)), follow=True)
         if engine_id is None:
             engine_id = policy.pick(features, moment.snapshot)
         if engine_id is None and source not in tried and source in serving:
@@ -404,17 +399,7 @@ class ChoiceLife:
                 f"the request resumed {self.resumptions} times; no further resumption is allowed"
             )
         excluded = frozenset((*self.follow_tried, *self.died))
-        features = build_features(
-            self.request,
-            self.hints,
-            prompt_tokens=self.prompt_tokens,
-            now_s=moment.now_s,
-            dispatch_seq=moment.dispatch_seq,
-            rand=moment.rand,
-            session_engine=None,
-            session_last_used_s=0.0,
-            exclude=excluded,
-        )
+        features = self._features(moment, excluded, follow=True)
         engine_id = policy.pick(features, moment.snapshot)
         if engine_id is None:
             return self._no_engine()
