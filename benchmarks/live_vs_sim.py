@@ -14,8 +14,8 @@ results/live_vs_sim.json).
 
 With `--reschedule star-oracle|star-nopred` (docs/star.md), STAR moves running requests on both sides: the
 agents send rounds (`--length-predictor oracle`, resp. `--star-report`) every k = the simulator's prediction
-interval decode steps, their modelled KV link is the simulator's (`--sim-kv-transfer-gbps` is in GB/s, the
-simulator's `kv_link_gbps` in Gbit/s), and the gateway runs `--reschedule star` (resp. `star-nopred`) with
+interval decode steps, their modelled KV link is the simulator's (`--sim-kv-link-gbps` = the
+simulator's `kv_link_gbps`, both Gbit/s), and the gateway runs `--reschedule star` (resp. `star-nopred`) with
 Algorithm 1's parameters set to the simulator's; the simulation runs the arm of the same name. The
 rescheduling interval (0.5 s) and the mover's limits are the defaults of both. Both sides then report
 migrations by outcome (live: `switchyard_migrations_total`, scraped before the single migration
@@ -87,7 +87,7 @@ def reschedule_flags(arm: str, options: SimOptions) -> tuple[tuple[str, ...], tu
               **options.reschedule_params}
     agents = (*star_flags, "--hidden-state-interval", str(options.prediction_interval),
               "--state-interval-ms", str(round(options.state_interval_s * 1000)),
-              "--sim-kv-transfer-gbps", str(options.kv_link_gbps / 8),  # GB/s
+              "--sim-kv-link-gbps", str(options.kv_link_gbps),
               "--sim-kv-transfer-latency-s", str(options.kv_transfer_latency_s))
     gateway = ("--reschedule", gateway_arm,
                *(arg for key, value in params.items() for arg in ("--reschedule-param", f"{key}={value}")))
@@ -95,10 +95,10 @@ def reschedule_flags(arm: str, options: SimOptions) -> tuple[tuple[str, ...], tu
 
 
 def agent_link(agent_args: Sequence[str]) -> tuple[float, float]:
-    """The agents' modelled KV link, (GB/s, latency s): their flags', else AgentConfig's defaults."""
+    """The agents' modelled KV link, (Gbit/s, latency s): their flags', else AgentConfig's defaults."""
     defaults = AgentConfig.model_fields
     flags = dict(zip(agent_args[:-1], agent_args[1:], strict=True))
-    return (float(flags.get("--sim-kv-transfer-gbps", defaults["sim_kv_transfer_gbps"].default)),
+    return (float(flags.get("--sim-kv-link-gbps", defaults["sim_kv_link_gbps"].default)),
             float(flags.get("--sim-kv-transfer-latency-s", defaults["sim_kv_transfer_latency_s"].default)))
 
 

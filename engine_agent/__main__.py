@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
+from threadpoolctl import threadpool_limits
 
 from engine_agent.config import AgentConfig, LinkSecurityConfig, VllmConfig
 from engine_agent.server import AgentStartupError, serve
@@ -96,8 +97,15 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     parser.add_argument(
         "--lens", action="store_true", help="LENS plans each iteration's token budget (Algorithm 1)"
     )
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        default=defaults.blas_threads,
+        help="BLAS threads for the agent's own numpy work (LENS refits, the length predictor)",
+    )
     sim = parser.add_argument_group("sim backend")
-    sim.add_argument("--sim-kv-transfer-gbps", type=float, default=defaults.sim_kv_transfer_gbps)
+    sim.add_argument("--sim-kv-link-gbps", type=float, default=defaults.sim_kv_link_gbps,
+                     help="modelled KV link between agents in Gbit/s (migrations)")
     sim.add_argument("--sim-kv-transfer-latency-s", type=float, default=defaults.sim_kv_transfer_latency_s)
     sim.add_argument(
         "--sim-max-num-seqs",
@@ -192,7 +200,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         length_predictor=args.length_predictor,
         star_report=args.star_report,
         lens_planning=args.lens,
-        sim_kv_transfer_gbps=args.sim_kv_transfer_gbps,
+        blas_threads=args.blas_threads,
+        sim_kv_link_gbps=args.sim_kv_link_gbps,
         sim_kv_transfer_latency_s=args.sim_kv_transfer_latency_s,
         sim_max_num_seqs=args.sim_max_num_seqs,
         host=args.host,
@@ -252,6 +261,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m engine_age
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # The agent's numpy work (LENS refits, the STAR predictor) is small; OpenBLAS's default pool (one
+    # spinning worker per core) would take cores from the engine it serves. vLLM's processes are spawned
+    # with their own pools; this limits only this process's.
+    threadpool_limits(limits=config.blas_threads, user_api="blas")
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(serve(config))

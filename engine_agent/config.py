@@ -106,6 +106,9 @@ class AgentConfig(BaseModel):
     # LENS (NexusSched §4): the latency model and the state vector always run; this turns on Algorithm 1's
     # per-iteration token budget (off = the backend's static budget, the ablation baseline).
     lens_planning: bool = False
+    # BLAS threads for the agent's own numpy work (LENS refits, the STAR length predictor). The engine's
+    # processes are not affected. More than 1 lets OpenBLAS's spinning workers take cores from the engine.
+    blas_threads: int = Field(default=1, ge=1)
     # Hidden-state tap (STAR §5.3): every this many decode steps; None = off.
     hidden_state_interval: int | None = Field(default=20, ge=1)
     # STAR §4.4: record the tap's samples, labelled with each request's remaining length, as shards in this
@@ -119,7 +122,8 @@ class AgentConfig(BaseModel):
     # (and the current load held over the horizon), for the gateway's `--reschedule star-nopred`.
     star_report: bool = False
     # Sim backend: modelled KV transfer for migration (bytes / bandwidth + a fixed latency).
-    sim_kv_transfer_gbps: float = Field(default=25.0, gt=0.0)  # GB/s, e.g. one 200 Gb/s NIC
+    # Gbit/s, like the rescheduler's and the simulator's kv_link_gbps; 200 = one 200 Gb/s NIC
+    sim_kv_link_gbps: float = Field(default=200.0, gt=0.0)
     sim_kv_transfer_latency_s: float = Field(default=0.002, ge=0.0)
     # Sim backend: the batch's sequence cap; None = the profile's (256).
     sim_max_num_seqs: int | None = Field(default=None, ge=1)

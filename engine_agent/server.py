@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import uuid
@@ -125,7 +126,7 @@ def build_backend(config: AgentConfig, tokenizer: Tokenizer, clock: Clock) -> En
         role=config.role,
         model=config.model,
         hidden_state_interval=config.hidden_state_interval,
-        kv_transfer_gbps=config.sim_kv_transfer_gbps,
+        kv_link_gbps=config.sim_kv_link_gbps,
         kv_transfer_latency_s=config.sim_kv_transfer_latency_s,
         lens_planning=config.lens_planning,
     )
@@ -139,27 +140,49 @@ def backend_capabilities(config: AgentConfig, backend: EngineBackend) -> Capabil
     return Capabilities.of(backend, switched_off=switched_off)
 
 
+@dataclass(slots=True)
+class Recording:
+    """`--record-hidden-states DIR`: the tap to read and, once the backend has started (a vLLM engine knows
+    its hidden size only then), the recorder writing its shards."""
+
+    directory: str
+    source: HiddenStateSource
+    recorder: HiddenStateRecorder | None = None
+
+    async def start(self, backend: EngineBackend) -> HiddenStateRecorder:
+        static = backend.static
+        prefix = f"{static.engine_id}-{uuid.uuid4().hex[:8]}"  # agents (and runs) may share the directory
+        try:
+            writer = await asyncio.to_thread(_shard_writer, self.directory, static.model, static.hidden_size,
+                                             prefix)
+        except (OSError, ValueError) as exc:
+            raise AgentStartupError(f"--record-hidden-states {self.directory}: {exc}") from exc
+        log.info("recording hidden states (every %s decode steps) to %s", static.hidden_state_interval,
+                 writer.directory)
+        self.recorder = HiddenStateRecorder(writer)
+        return self.recorder
+
+    def on_stream_end(self, end: StreamEnd) -> None:
+        if self.recorder is not None:
+            self.recorder.on_stream_end(end)
+
+
 async def open_recorder(
     config: AgentConfig, backend: EngineBackend, capabilities: Capabilities
-) -> tuple[HiddenStateRecorder, HiddenStateSource] | None:
-    """`--record-hidden-states DIR`: the recorder and the tap it reads (None when not asked); the directory is
-    created now, so a bad path fails start-up at once."""
+) -> Recording | None:
+    """`--record-hidden-states DIR` before the backend starts (None when not asked): checks the tap and
+    creates the directory, so a bad path fails start-up at once, not after minutes of loading a model."""
     if config.record_hidden_states is None:
         return None
     source = capabilities.hidden_state_source
     if source is None:
         raise AgentStartupError(f"--record-hidden-states needs the hidden-state tap: "
                                 f"{capabilities.missing(HIDDEN_STATES)}")
-    static = backend.static
-    prefix = f"{static.engine_id}-{uuid.uuid4().hex[:8]}"  # several agents (and runs) may share the directory
     try:
-        writer = await asyncio.to_thread(_shard_writer, config.record_hidden_states, static.model,
-                                         static.hidden_size, prefix)
+        await asyncio.to_thread(_prepare_directory, config.record_hidden_states)
     except OSError as exc:
         raise AgentStartupError(f"--record-hidden-states {config.record_hidden_states}: {exc}") from exc
-    log.info("recording hidden states (every %s decode steps) to %s", static.hidden_state_interval,
-             writer.directory)
-    return HiddenStateRecorder(writer), source
+    return Recording(config.record_hidden_states, source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,12 +250,12 @@ def _load_predictor(path: str, hidden_size: int) -> LengthPredictor:
 
 
 def _stream_end_hook(
-    recording: tuple[HiddenStateRecorder, HiddenStateSource] | None, star: StarSetup | None
+    recording: Recording | None, star: StarSetup | None
 ) -> Callable[[StreamEnd], None] | None:
     """The service's `on_stream_end`: the recorder labels, STAR forgets the request."""
     hooks: list[Callable[[StreamEnd], None]] = []
     if recording is not None:
-        hooks.append(recording[0].on_stream_end)
+        hooks.append(recording.on_stream_end)
     if star is not None:
         live = star.live
         hooks.append(lambda end: live.forget(end.request_id))
@@ -244,6 +267,13 @@ def _stream_end_hook(
             hook(end)
 
     return both
+
+
+def _prepare_directory(name: str) -> None:
+    directory = Path(name).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    if not os.access(directory, os.W_OK):
+        raise PermissionError(f"{directory} is not writable")
 
 
 def _shard_writer(directory: str, model: str, hidden_size: int, prefix: str) -> ShardWriter:
@@ -349,9 +379,9 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
         if star is not None:
             star.check_hidden_size(backend)
         if recording is not None:
-            recorder, source = recording
+            recorder = await recording.start(backend)
             recorder_task = asyncio.create_task(
-                recorder.run(source.hidden_states()), name="hidden-state-recorder"
+                recorder.run(recording.source.hidden_states()), name="hidden-state-recorder"
             )
         if star is not None:
             star_task = asyncio.create_task(
@@ -388,7 +418,7 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if recording is not None:
-            await recording[0].aclose()
+        if recording is not None and recording.recorder is not None:
+            await recording.recorder.aclose()
     log.info("engine agent %s stopped", config.engine_id)
     return 0

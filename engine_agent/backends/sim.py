@@ -22,7 +22,7 @@ tokens are exactly the tokens the stream delivered. The source frees the KV at t
 `engine_agent.sim.migration`). `transfer_params` carry the request's token-generator state and decided
 output length (`engine_agent.sim.ticket`), so a migrated request continues with exactly the tokens it would
 have produced unmigrated: seeded requests can move too. On the target the KV is "pulled" in
-transfer_s = kv_transfer_latency_s + kv_bytes / (kv_transfer_gbps x 1e9) once its blocks are allocated; then
+transfer_s = kv_transfer_latency_s + kv_bytes x 8 / (kv_link_gbps x 1e9) once its blocks are allocated; then
 only the last sampled token is computed. A ticket without KV (`kv_tokens` 0, possibly with output tokens a
 failed target streamed after the cut) transfers nothing: the engine checks those tokens against the request's
 generator and recomputes prompt + output in one prefill. Since the source frees its KV at the cut, the sim
@@ -133,14 +133,14 @@ class SimBackend:
         model: str | None = None,
         lag_tolerance_s: float = DEFAULT_LAG_TOLERANCE_S,
         hidden_state_interval: int | None = None,
-        kv_transfer_gbps: float = 25.0,
+        kv_link_gbps: float = 200.0,
         kv_transfer_latency_s: float = 0.002,
         lens_planning: bool = False,
     ) -> None:
         if hidden_state_interval is not None and hidden_state_interval < 1:
             raise ValueError(f"hidden_state_interval must be >= 1 (None: off), got {hidden_state_interval}")
-        if kv_transfer_gbps <= 0 or kv_transfer_latency_s < 0:
-            raise ValueError("kv_transfer_gbps must be > 0 and kv_transfer_latency_s >= 0")
+        if kv_link_gbps <= 0 or kv_transfer_latency_s < 0:
+            raise ValueError("kv_link_gbps must be > 0 and kv_transfer_latency_s >= 0")
         self._clock = clock
         self._eos_token_id = eos_token_id
         self._vocab_size = vocab_size
@@ -173,7 +173,7 @@ class SimBackend:
             kv_bytes_per_token=profile.model.kv_bytes_per_token,
         )
         self._kv_bytes_per_token = profile.model.kv_bytes_per_token
-        self._kv_transfer_bytes_per_s = kv_transfer_gbps * 1e9
+        self._kv_transfer_bytes_per_s = kv_link_gbps * 1e9 / 8
         self._kv_transfer_latency_s = kv_transfer_latency_s
         self._lag_tolerance_s = lag_tolerance_s
         self._streams: dict[RequestId, _Stream] = {}

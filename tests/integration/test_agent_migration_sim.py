@@ -26,8 +26,8 @@ from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 KV_BYTES_PER_TOKEN = MODELS["llama3-8b"].kv_bytes_per_token
-# The agent's defaults (AgentConfig.sim_kv_transfer_gbps / sim_kv_transfer_latency_s).
-TRANSFER_GBPS, TRANSFER_LATENCY_S = 25.0, 0.002
+# The agent's defaults (AgentConfig.sim_kv_link_gbps in Gbit/s / sim_kv_transfer_latency_s).
+LINK_GBPS, TRANSFER_LATENCY_S = 200.0, 0.002
 PROMPT_TOKENS = 3000
 CUT_AFTER = 20
 
@@ -176,7 +176,7 @@ async def test_migrate_long_greedy_request(
     info = await b.GetInfo(pb.GetInfoRequest())
     assert (info.hidden_size, info.hidden_state_interval) == (4096, 20)
 
-    transfer_s = TRANSFER_LATENCY_S + ticket.kv_bytes / (TRANSFER_GBPS * 1e9)
+    transfer_s = TRANSFER_LATENCY_S + ticket.kv_bytes * 8 / (LINK_GBPS * 1e9)
     pause_s = target.first_token_s - source.last_token_s
     resume_s = target.first_token_s - resume_sent_s
     state = await b.WatchState(pb.WatchStateRequest()).read()

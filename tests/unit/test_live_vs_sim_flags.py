@@ -51,12 +51,12 @@ def test_live_flags_configure_what_the_simulator_runs(arm: str, gateway_arm: str
     assert agent.length_predictor == predictor
     assert agent.hidden_state_interval == options.prediction_interval
     assert agent.state_interval_s == options.state_interval_s
-    assert agent.sim_kv_transfer_gbps * 8 == options.kv_link_gbps  # GB/s against Gbit/s
+    assert agent.sim_kv_link_gbps == options.kv_link_gbps
     assert agent.sim_kv_transfer_latency_s == options.kv_transfer_latency_s
-    assert bench.agent_link(agent_args) == (agent.sim_kv_transfer_gbps, agent.sim_kv_transfer_latency_s)
+    assert bench.agent_link(agent_args) == (agent.sim_kv_link_gbps, agent.sim_kv_transfer_latency_s)
 
 
 def test_without_flags_the_agents_link_is_their_default() -> None:
     agent = config_from_args(build_agent_argparser().parse_args(
         ["--backend", "sim", "--profile", "h100-llama3-8b"]), environ={})
-    assert _bench().agent_link(()) == (agent.sim_kv_transfer_gbps, agent.sim_kv_transfer_latency_s)
+    assert _bench().agent_link(()) == (agent.sim_kv_link_gbps, agent.sim_kv_transfer_latency_s)

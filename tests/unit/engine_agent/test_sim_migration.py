@@ -253,7 +253,7 @@ async def collect(events: object) -> tuple[list[int], FinishEvent | MigratedEven
 
 
 async def test_backend_cut_in_flight_then_resume_elsewhere() -> None:
-    a, b, c = backend("a"), backend("b", kv_transfer_gbps=10.0, kv_transfer_latency_s=0.01), backend("c")
+    a, b, c = backend("a"), backend("b", kv_link_gbps=80.0, kv_transfer_latency_s=0.01), backend("c")
     for engine in (a, b, c):
         await engine.start()
     try:
@@ -454,7 +454,7 @@ def test_a_re_ticket_whose_tokens_the_generator_does_not_draw_is_refused() -> No
 
 
 async def test_backend_resumes_a_ticket_without_kv_carrying_more_tokens_than_its_cut() -> None:
-    a, b, c = backend("a"), backend("b", kv_transfer_gbps=10.0, kv_transfer_latency_s=0.5), backend("c")
+    a, b, c = backend("a"), backend("b", kv_link_gbps=80.0, kv_transfer_latency_s=0.5), backend("c")
     for engine in (a, b, c):
         await engine.start()
     try:
