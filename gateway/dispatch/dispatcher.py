@@ -62,6 +62,7 @@ from gateway.domain import (
     EngineUnavailable,
     Finished,
     Migrated,
+    MigrationTicket,
     StreamEvent,
 )
 from gateway.engines.base import EngineClient, MigratingClient, RecomputingClient
@@ -136,6 +137,7 @@ class Dispatcher:
         self._on_decision = on_decision or _log_decision
         self._budget = retry_budget
         self.stall_watch = stall_watch
+        self._releases: set[asyncio.Task[None]] = set()  # `MigratingClient.release` calls in flight
 
     def begin_shutdown(self) -> None:
         """From now on a cancelled relay is the server draining, not a client disconnect."""
@@ -314,109 +316,136 @@ class Dispatcher:
         client has beyond them."""
         state, clock, metrics, watch = self._state, self._clock, self._metrics, self.stall_watch
         after_cut: list[int] = []  # token ids the resumed streams produced since `life.ticket`'s cut
-        while True:
-            ticket = life.ticket
-            assert ticket is not None
-            step = life.follow(
-                policy, Moment(clock.now(), next(self._seq), self._rng.random(), state.snapshot())
-            )
-            if isinstance(step, StreamFailed):
-                metrics.migrations.labels("failed").inc()
-                metrics.stream_errors.labels("migration").inc()
-                raise EngineStreamError(step.message)
-            dispatch = step.dispatch
-            engine_id = dispatch.engine_id
-            client = state.client(engine_id)
-            if not isinstance(client, MigratingClient) or (
-                step.recompute and not isinstance(client, RecomputingClient)
-            ):
-                life.on_follow_failed(f"engine {engine_id} cannot resume a migrated request this way")
-                life.on_closed()
-                continue
-            skip = step.skip_tokens
-            resume_ticket = step.ticket
-            if step.recompute:
-                assert isinstance(client, RecomputingClient)
-                skip = life.relayed - ticket.output_tokens - len(after_cut)
-                if skip < 0:  # a delta without its token ids: the re-ticket would not match the client's
-                    life.on_follow_failed("the relayed token ids are incomplete: cannot re-ticket")
+        seen: MigrationTicket | None = None
+        held: MigrationTicket | None = None  # the cut whose KV its source holds until a resumption pulls it
+        try:
+            while True:
+                ticket = life.ticket
+                assert ticket is not None
+                if ticket is not seen:
+                    seen = ticket
+                    held = ticket if ticket.kv_tokens > 0 else None
+                step = life.follow(
+                    policy, Moment(clock.now(), next(self._seq), self._rng.random(), state.snapshot())
+                )
+                if held is not None and not isinstance(step, StreamFailed) and step.recompute:
+                    self._release(held)  # resumed without KV from here on: nobody will pull it
+                    held = None
+                if isinstance(step, StreamFailed):
+                    metrics.migrations.labels("failed").inc()
+                    metrics.stream_errors.labels("migration").inc()
+                    raise EngineStreamError(step.message)
+                dispatch = step.dispatch
+                engine_id = dispatch.engine_id
+                client = state.client(engine_id)
+                if not isinstance(client, MigratingClient) or (
+                    step.recompute and not isinstance(client, RecomputingClient)
+                ):
+                    life.on_follow_failed(f"engine {engine_id} cannot resume a migrated request this way")
                     life.on_closed()
                     continue
+                skip = step.skip_tokens
+                resume_ticket = step.ticket
+                if step.recompute:
+                    assert isinstance(client, RecomputingClient)
+                    skip = life.relayed - ticket.output_tokens - len(after_cut)
+                    if skip < 0:  # a delta without its token ids: the re-ticket would not match the client's
+                        life.on_follow_failed("the relayed token ids are incomplete: cannot re-ticket")
+                        life.on_closed()
+                        continue
+                    try:
+                        resume_ticket = client.without_kv(ticket, after_cut)
+                    except ValueError as e:
+                        life.on_follow_failed(str(e))
+                        life.on_closed()
+                        continue
+                record_dispatch(state, dispatch)
+                stream = client.resume(resume_ticket, request)
+                watched = watch.open() if watch is not None else None
+                resumed = False
                 try:
-                    resume_ticket = client.without_kv(ticket, after_cut)
-                except ValueError as e:
-                    life.on_follow_failed(str(e))
-                    life.on_closed()
-                    continue
-            record_dispatch(state, dispatch)
-            stream = client.resume(resume_ticket, request)
-            watched = watch.open() if watch is not None else None
-            resumed = False
-            try:
-                try:
-                    event = await _next_event(stream, watched)
-                except (EngineUnavailable, StopAsyncIteration, Stalled) as e:
-                    reason, error = _failure_of(e)
-                    self._apply(life.failure(reason, clock.now()))
-                    life.on_follow_failed(error)
-                    log.info(
-                        "request %s: engine %s did not resume it (%s)", request.request_id, engine_id, error
-                    )
-                    continue
-                self._apply(life.on_first_event(clock.now()))
-                metrics.migrations.labels("resumed" if engine_id == ticket.target else "fallback").inc()
-                resumed = True
-                while True:
-                    if isinstance(event, Migrated):
-                        life.on_migrated(event.ticket)
-                        after_cut.clear()
-                        timing.migrated_s = clock.now()
-                        break
-                    if isinstance(event, Delta):  # a re-ticket's stream starts after the ids it carries
-                        after_cut.extend(event.token_ids)
-                    if isinstance(event, Delta) and skip > 0:
-                        if event.num_tokens > skip:
-                            raise EngineStreamError(
-                                f"the resumed stream's delta of {event.num_tokens} tokens straddles the "
-                                f"{skip} the client already has"
-                            )
-                        skip -= event.num_tokens
-                    elif not isinstance(event, Admitted):
-                        if timing.migrated_s is not None and isinstance(event, Delta):
-                            metrics.splice_stall.observe(clock.now() - timing.migrated_s)
-                            timing.migrated_s = None
-                        finished = self._observe(event, timing, life)
-                        yield event
-                        if finished:
-                            return
-                    event = await _stream_event(stream, watched)
-            except EngineStreamError as e:
-                stalled = watched is not None and watched.stalled
-                if life.current is not None:
-                    self._apply(life.failure("stall" if stalled else "server_errors", clock.now()))
-                    if resumed and life.on_resume_failed(str(e)):  # re-ticket from what was relayed
+                    try:
+                        event = await _next_event(stream, watched)
+                    except (EngineUnavailable, StopAsyncIteration, Stalled) as e:
+                        reason, error = _failure_of(e)
+                        self._apply(life.failure(reason, clock.now()))
+                        life.on_follow_failed(error)
                         log.info(
-                            "request %s: engine %s failed the resumed stream (%s); re-ticketing without KV",
+                            "request %s: engine %s did not resume it (%s)",
                             request.request_id,
                             engine_id,
-                            e,
+                            error,
                         )
-                        timing.migrated_s = clock.now()
                         continue
-                if not resumed:
-                    metrics.migrations.labels("failed").inc()
-                metrics.stream_errors.labels("stall" if stalled else "engine").inc()
-                raise
-            finally:
-                if watched is not None and watch is not None:
-                    watch.close(watched)
-                try:
-                    with contextlib.suppress(Exception):
-                        await stream.aclose()  # type: ignore[attr-defined]
+                    self._apply(life.on_first_event(clock.now()))
+                    metrics.migrations.labels("resumed" if engine_id == ticket.target else "fallback").inc()
+                    resumed = True
+                    if not step.recompute:
+                        held = None  # the resuming engine pulled the KV before its first event
+                    while True:
+                        if isinstance(event, Migrated):
+                            life.on_migrated(event.ticket)
+                            after_cut.clear()
+                            timing.migrated_s = clock.now()
+                            break
+                        if isinstance(event, Delta):  # a re-ticket's stream starts after the ids it carries
+                            after_cut.extend(event.token_ids)
+                        if isinstance(event, Delta) and skip > 0:
+                            if event.num_tokens > skip:
+                                raise EngineStreamError(
+                                    f"the resumed stream's delta of {event.num_tokens} tokens straddles the "
+                                    f"{skip} the client already has"
+                                )
+                            skip -= event.num_tokens
+                        elif not isinstance(event, Admitted):
+                            if timing.migrated_s is not None and isinstance(event, Delta):
+                                metrics.splice_stall.observe(clock.now() - timing.migrated_s)
+                                timing.migrated_s = None
+                            finished = self._observe(event, timing, life)
+                            yield event
+                            if finished:
+                                return
+                        event = await _stream_event(stream, watched)
+                except EngineStreamError as e:
+                    stalled = watched is not None and watched.stalled
+                    if life.current is not None:
+                        self._apply(life.failure("stall" if stalled else "server_errors", clock.now()))
+                        if resumed and life.on_resume_failed(str(e)):  # re-ticket from what was relayed
+                            log.info(
+                                "request %s: engine %s failed the resumed stream (%s); re-ticketing, no KV",
+                                request.request_id,
+                                engine_id,
+                                e,
+                            )
+                            timing.migrated_s = clock.now()
+                            continue
+                    if not resumed:
+                        metrics.migrations.labels("failed").inc()
+                    metrics.stream_errors.labels("stall" if stalled else "engine").inc()
+                    raise
                 finally:
-                    released = life.on_closed()
-                    if released is not None:
-                        state.note_finish(released, request.request_id)
+                    if watched is not None and watch is not None:
+                        watch.close(watched)
+                    try:
+                        with contextlib.suppress(Exception):
+                            await stream.aclose()  # type: ignore[attr-defined]
+                    finally:
+                        released = life.on_closed()
+                        if released is not None:
+                            state.note_finish(released, request.request_id)
+        finally:
+            if held is not None:  # the client left, or the splice failed, before anything pulled it
+                self._release(held)
+
+    def _release(self, ticket: MigrationTicket) -> None:
+        """Tell a cut's source that its held KV will not be pulled, in the background (the client's stream
+        does not wait on a source that may be dead)."""
+        client = self._state.client(ticket.source_engine_id)
+        if not isinstance(client, MigratingClient):
+            return
+        task = asyncio.create_task(client.release(ticket.request_id), name=f"release-{ticket.request_id}")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def _apply(self, outcome: Outcome) -> None:
         """Apply a transport outcome to outlier detection; count and log a change of pool membership."""

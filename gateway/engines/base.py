@@ -47,6 +47,12 @@ class MigratingClient(Protocol):
         """Continue a cut request here: the events after the cut, like `generate`'s."""
         ...
 
+    async def release(self, request_id: str) -> None:
+        """The KV this engine holds for its cut `request_id` will not be pulled (every resumption with it
+        failed, or the splice resumes without KV, or the client left): free it now instead of at the lease's
+        end. Best effort: never raises; a no-op when nothing is held."""
+        ...
+
 
 @runtime_checkable
 class RecomputingClient(Protocol):

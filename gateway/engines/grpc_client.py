@@ -456,6 +456,16 @@ class GrpcEngineClient:
             raise EngineUnavailable(detail) from exc
         return from_ticket(ticket)
 
+    async def release(self, request_id: str) -> None:
+        """`Abort` of the cut id: the agent frees the KV it holds for it (vLLM: at once instead of at
+        `--migration-kv-lease-s`; the sim holds none). Errors are logged, not raised: the lease still ends."""
+        try:
+            stub = await self._connected_stub()
+            message = pb.AbortRequest(request_id=request_id)
+            await stub.Abort(message, timeout=self._connect_timeout_s, metadata=self._metadata)
+        except (grpc.aio.AioRpcError, EngineUnavailable) as exc:
+            log.info("release of cut %s on %s failed (%s); lease frees it", request_id, self._address, exc)
+
     def without_kv(self, ticket: MigrationTicket, after_cut: Sequence[int]) -> MigrationTicket:
         """`ticket_without_kv`: the ticket to resume without KV here."""
         return ticket_without_kv(ticket, after_cut)

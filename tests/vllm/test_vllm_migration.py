@@ -165,6 +165,42 @@ async def test_migrated_tokens_equal_an_unmigrated_run_and_kv_is_pulled(agents) 
     assert state_b.num_running == 0 and state_b.kv_blocks_free == state_b.kv_blocks_total
 
 
+async def test_abort_of_a_cut_request_frees_its_held_kv_before_the_lease(agents) -> None:  # type: ignore[no-untyped-def]
+    """Nobody pulls the cut's KV (the splice resumed without it, or gave up): the gateway's `Abort` of the cut
+    id frees the blocks within a few engine steps instead of at the agent's 30 s lease."""
+    a, _, b_address = agents
+    cut_requested = asyncio.Event()
+    produced: list[int] = []
+
+    async def read_source() -> str:
+        async for event in a.Generate(_request("abandoned")):
+            kind = event.WhichOneof("event")
+            if kind == "delta":
+                produced.extend(event.delta.token_ids)
+                if len(produced) >= CUT_AFTER:
+                    cut_requested.set()
+            elif kind in ("migrated", "finished"):
+                return kind
+        return "none"
+
+    reader = asyncio.create_task(read_source())
+    await asyncio.wait_for(cut_requested.wait(), 60)
+    ticket = await a.MigrateOut(pb.MigrateOutRequest(request_id="abandoned", target=b_address))
+    assert await asyncio.wait_for(reader, 30) == "migrated" and ticket.kv_tokens > 0
+    await asyncio.sleep(1.0)
+    held = await _state(a)
+    assert held.num_running == 0 and held.kv_blocks_free < held.kv_blocks_total  # held for the pull
+
+    aborted_s = time.monotonic()
+    assert (await a.Abort(pb.AbortRequest(request_id="abandoned"))).found
+    state = await _wait_idle(a)
+    freed_after_s = time.monotonic() - aborted_s
+    assert state.kv_blocks_free == state.kv_blocks_total, state
+    assert freed_after_s < 10.0  # the lease is 30 s
+    assert not (await a.Abort(pb.AbortRequest(request_id="abandoned"))).found  # released once
+    print(f"abort of a cut request: KV back to baseline {freed_after_s * 1e3:.0f} ms after the Abort")
+
+
 async def test_migrate_out_unknown_request_is_not_found(agents) -> None:  # type: ignore[no-untyped-def]
     a, _, b_address = agents
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -73,6 +73,8 @@ _STATE_READ_MIN_S = 0.05
 _STATE_READ_MAX_S = 0.5
 _IDLE_READ_S = 1.0
 _CUT_TIMEOUT_S = 30.0
+_RELEASE_WAIT_S = 1.0  # how long a release waits for the cut's lease to reach the workers
+
 
 def _core_range(part: str) -> range:
     """One item of an OpenMP bind list: "3" or "0-2"."""
@@ -141,6 +143,8 @@ class VllmBackend:
         self._streams: dict[RequestId, _Stream] = {}
         self._by_internal: dict[str, RequestId] = {}
         self._migration_stats: dict[RequestId, MigrationStats] = {}
+        # Cuts whose KV NixlConnector holds for the target's pull: request id -> (vLLM's id, lease end).
+        self._held_cuts: dict[RequestId, tuple[str, float]] = {}
         self._tap = TapFanout(hidden_state_interval)
         self._state = VllmEngineState(clock, on_iteration=self._on_iteration)
         self._decode_steps = 0
@@ -415,6 +419,8 @@ class VllmBackend:
                                 yield TokenEvent(ids)
                             if not stream.cut.done():
                                 stream.cut.set_result(cut)
+                            if cut.kv_tokens:
+                                self._hold(request_id, stream.internal_id)
                             yield MigratedEvent(cut)
                             return
                         if not stream.cut.done():
@@ -512,10 +518,36 @@ class VllmBackend:
         )
 
     async def abort(self, request_id: RequestId) -> bool:
-        if request_id not in self._streams or self._llm is None:
+        """Abort a running request; for a cut one, free the KV held for its pull (`_release`)."""
+        if self._llm is None:
             return False
+        if request_id not in self._streams:
+            return await self._release(request_id)
         await self._llm.abort(str(request_id))
         return True
+
+    def _hold(self, request_id: RequestId, internal_id: str) -> None:
+        now = self._clock.now()
+        for rid, (_, lease_end) in list(self._held_cuts.items()):
+            if lease_end <= now:  # NixlConnector's lease freed these on its own
+                del self._held_cuts[rid]
+        self._held_cuts[request_id] = (internal_id, now + self._config.migration_kv_lease_s)
+
+    async def _release(self, request_id: RequestId) -> bool:
+        """Free a cut request's held KV now instead of at the lease's end: its blocks' send lease is expired
+        in every worker (`HiddenStateTap.agent_release_held`), so NixlConnector reports it sent at the next
+        step and the scheduler frees the blocks. The lease reaches the workers one engine step after the
+        cut; a release that finds it not yet there retries for up to `_RELEASE_WAIT_S`."""
+        held = self._held_cuts.pop(request_id, None)
+        if held is None or self._llm is None:
+            return False
+        internal_id = held[0]
+        deadline = self._clock.now() + _RELEASE_WAIT_S
+        while True:
+            found = await self._llm.collective_rpc("agent_release_held", args=(internal_id,))
+            if any(found) or self._clock.now() >= deadline:
+                return any(found)
+            await asyncio.sleep(0.02)
 
     async def migrate_out(self, request_id: RequestId, target: str) -> MigrationTicket:
         stream = self._streams.get(request_id)

@@ -179,6 +179,23 @@ class HiddenStateTap:
     rank 0 records (every tensor-parallel rank holds the full post-norm state).
     """
 
+    def agent_release_held(self, request_id: str) -> bool:
+        """Expire the send lease NixlConnector keeps for a cut request's KV (`decoder_kv_blocks_ttl`), so the
+        next `get_finished` reports it sent and the scheduler frees the blocks; False when this worker holds
+        no lease for it (not yet told of it, already pulled, or no connector)."""
+        from vllm.distributed.kv_transfer import (  # noqa: PLC0415 (a worker process)
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+
+        if not has_kv_transfer_group():
+            return False
+        leases = getattr(getattr(get_kv_transfer_group(), "connector_worker", None), "_reqs_to_send", None)
+        if not isinstance(leases, dict) or request_id not in leases:
+            return False
+        leases[request_id] = float("-inf")
+        return True
+
     def agent_tap_install(self, interval: int, max_batches: int = 64) -> bool:
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.model

@@ -154,6 +154,17 @@ async def test_unreachable_agent_is_unavailable() -> None:
         await client.close()
 
 
+async def test_release_aborts_the_cut_id_and_never_raises(agent: tuple[FakeAgent, GrpcEngineClient]) -> None:
+    fake, client = agent
+    await client.release("cut-1")
+    assert fake.aborted == ["cut-1"]
+    gone = GrpcEngineClient("127.0.0.1:1", connect_timeout_s=0.2)
+    try:
+        await gone.release("cut-2")  # unreachable: logged, not raised (the agent's lease frees the KV)
+    finally:
+        await gone.close()
+
+
 async def test_describe_and_watch(agent: tuple[FakeAgent, GrpcEngineClient]) -> None:
     fake, client = agent
     desc = await client.describe()

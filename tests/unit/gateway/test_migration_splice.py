@@ -42,9 +42,13 @@ class MovingEngine(FakeEngine):
         super().__init__(engine_id, generate_script)
         self.resume_script = resume_script
         self.resumed: list[MigrationTicket] = []
+        self.released: list[str] = []
 
     async def migrate_out(self, request_id: str, target: str) -> MigrationTicket:
         raise AssertionError("the splice never cuts")
+
+    async def release(self, request_id: str) -> None:
+        self.released.append(request_id)
 
     def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         self.resumed.append(ticket)
@@ -143,6 +147,7 @@ async def test_a_migrated_stream_resumes_on_the_named_target_and_reads_as_one() 
         snapshot_text = await (await client.get("/metrics")).text()
     assert "switchyard_requests_in_flight 0.0" in snapshot_text
     assert source.closed_streams == 1 and target.closed_streams == 1
+    assert source.released == []  # the target pulled the KV: the source freed it on its own
 
 
 async def test_a_refusing_target_falls_back_to_another_engine_then_to_the_source() -> None:
@@ -154,6 +159,7 @@ async def test_a_refusing_target_falls_back_to_another_engine_then_to_the_source
         assert text == "abcd"  # t refused, u refused, the source resumed its own cut
         assert len(refusing.resumed) == 1 and len(other.resumed) == 1 and len(source.resumed) == 1
         assert 'outcome="fallback"} 1.0' in await migrations(client)
+        assert source.released == []  # the source resumed its own cut with the KV it held
 
     fallback = MovingEngine("u", script(), CONTINUATION)
     async with serving(MovingEngine("s", SOURCE), MovingEngine("t", script()), fallback) as client:
@@ -162,12 +168,14 @@ async def test_a_refusing_target_falls_back_to_another_engine_then_to_the_source
 
 
 async def test_when_no_engine_resumes_the_stream_ends_with_one_error_and_no_repeated_text() -> None:
-    async with serving(MovingEngine("s", SOURCE), MovingEngine("t", script())) as client:
+    source = MovingEngine("s", SOURCE)
+    async with serving(source, MovingEngine("t", script())) as client:
         text, objs = await stream(client)
         assert text == "ab"
         errors = [o for o in objs if "error" in o]
         assert len(errors) == 1 and "resume" in errors[0]["error"]["message"]
         assert 'outcome="failed"} 1.0' in await migrations(client)
+        assert source.released == ["r1"]  # nobody pulled the KV the source holds: freed now, not at the lease
 
 
 async def test_a_gap_in_the_positions_is_an_error_and_duplicates_are_dropped() -> None:
@@ -231,6 +239,7 @@ async def test_when_every_engine_refuses_the_kv_the_request_is_recomputed_withou
         kinds = [(t.kv_tokens, t.output_tokens) for t in source.resumed + target.resumed]
         assert sorted(kinds) == [(0, 2), (10, 2), (10, 2)]  # both refused the KV; one recomputed
         assert source.after_cut + target.after_cut == [()]  # at the cut: nothing relayed since
+        assert source.released == ["r1"]  # resuming without KV: the source's held KV is freed at once
 
 
 async def test_a_target_that_dies_after_streaming_is_re_ticketed_and_another_engine_continues() -> None:
@@ -249,6 +258,7 @@ async def test_a_target_that_dies_after_streaming_is_re_ticketed_and_another_eng
         # The re-ticket: the ticket's 2 tokens plus the 2 the dead target streamed, built by u's client.
         assert other.after_cut == [(3, 4)] and target.after_cut == []
         assert 'outcome="failed"' not in await migrations(client)
+        assert source.released == []  # the dead target had pulled the KV before it streamed
 
 
 async def test_a_re_ticket_refused_everywhere_ends_with_one_error_and_no_repeated_text() -> None:

@@ -47,6 +47,9 @@ class Cutter(FakeEngine):
     def resume(self, ticket: MigrationTicket, request: EngineRequest) -> AsyncIterator[StreamEvent]:
         raise AssertionError("the mover never resumes")
 
+    async def release(self, request_id: str) -> None:
+        raise AssertionError("the mover never releases")
+
 
 @dataclass
 class Fleet:
