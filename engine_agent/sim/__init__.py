@@ -6,7 +6,6 @@ Must not: import asyncio, grpc or the backends' drivers; read clocks; do I/O.
 """
 
 from engine_agent.sim.engine import IterationRecord, SimEngine, StepResult
-from engine_agent.sim.hardware import GPUS, MODELS, GpuSpec, ModelShape
 from engine_agent.sim.perf_model import (
     BatchShape,
     PerfCoefficients,
@@ -16,6 +15,7 @@ from engine_agent.sim.perf_model import (
     iteration_time_s,
 )
 from engine_agent.sim.profiles import Profile, UnknownProfileError, get_profile, known_profiles
+from switchyard.hardware import GPUS, MODELS, GpuSpec, ModelShape
 
 __all__ = [
     "GPUS",

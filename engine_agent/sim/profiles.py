@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_agent.sim.hardware import BYTES_PER_GB, GPUS, MODELS, GpuSpec, ModelShape
+from switchyard.hardware import BYTES_PER_GB, GPUS, MODELS, GpuSpec, ModelShape
 
 GIB = 1 << 30
 

@@ -29,28 +29,20 @@ from pydantic import Field
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import eligible
 from gateway.policies.params import NonNegativeFinite, PolicyParams
+from switchyard.hardware import GPUS, GpuSpec
 
 
-def _relative(dense_bf16_tflops: float, memory_bandwidth_gb_s: float) -> float:
-    return math.sqrt(dense_bf16_tflops * memory_bandwidth_gb_s / (989.0 * 3350.0))
+def _relative(gpu: GpuSpec) -> float:
+    h100 = GPUS["h100"]
+    return math.sqrt(gpu.dense_bf16_tflops * gpu.memory_bandwidth_gb_s
+                     / (h100.dense_bf16_tflops * h100.memory_bandwidth_gb_s))
 
 
 # Relative serving throughput of one GPU of each class, H100 = 1: the geometric mean of its dense BF16 compute
 # and its memory bandwidth relative to the H100 (LLM serving is compute-bound in prefill and bandwidth-bound
-# in decode). Datasheet figures as in engine_agent/sim/hardware.py, repeated here because the gateway does not
-# depend on the simulator. A stand-in for offline profiling: configure `weights` for real fleets.
-GPU_CLASS_WEIGHTS: Mapping[str, float] = MappingProxyType(
-    {
-        "h100": _relative(989.0, 3350.0),
-        "h800": _relative(989.0, 3350.0),
-        "a100": _relative(312.0, 2039.0),
-        "a800": _relative(312.0, 1935.0),
-        "h20": _relative(148.0, 4000.0),
-        "a6000": _relative(154.8, 768.0),
-        "l40": _relative(181.0, 864.0),
-        "rtx4090": _relative(165.0, 1008.0),
-    }
-)
+# in decode), from the shared datasheet catalogue (switchyard/hardware.py). A stand-in for offline profiling:
+# configure `weights` for real fleets.
+GPU_CLASS_WEIGHTS: Mapping[str, float] = MappingProxyType({name: _relative(g) for name, g in GPUS.items()})
 
 
 def gpu_class_weight(profile: str) -> float | None:

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from agent_process import Agent
 
-from engine_agent.sim.hardware import MODELS
 from engine_agent.tokenization import Tokenizer
+from switchyard.hardware import MODELS
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 

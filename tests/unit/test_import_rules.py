@@ -45,11 +45,12 @@ class PureCore:
 
 
 GATEWAY_DOMAIN = ("gateway.domain",)
+CATALOGUE = ("switchyard.hardware",)  # GPU datasheets and model shapes: the ground floor's pure data
 AGENT_DOMAIN = ("engine_agent.domain",)
 PURE_CORES = (
     PureCore("gateway/domain.py", ()),
     PureCore("engine_agent/domain.py", ()),
-    PureCore("gateway/policies", (*GATEWAY_DOMAIN, "gateway.policies")),
+    PureCore("gateway/policies", (*GATEWAY_DOMAIN, "gateway.policies", *CATALOGUE)),
     PureCore("gateway/cluster/health.py", ()),
     PureCore("gateway/cluster/state.py", (*GATEWAY_DOMAIN, "gateway.cluster.health")),
     PureCore("gateway/dispatch/features.py", GATEWAY_DOMAIN),
@@ -60,12 +61,12 @@ PURE_CORES = (
                                           "gateway.dispatch.retry", "gateway.cluster.health")),
     # Planners and reschedulers (CAUCHY, Cascadia, STAR, CascadeInfer) read snapshots and the engine model.
     PureCore("gateway/estimators", (*GATEWAY_DOMAIN, "gateway.estimators")),
-    PureCore("gateway/planning", (*GATEWAY_DOMAIN, "gateway.planning", "gateway.estimators",
-                                  "engine_agent.sim")),
+    PureCore("gateway/planning", (*GATEWAY_DOMAIN, "gateway.planning", "gateway.estimators", *CATALOGUE)),
     PureCore("gateway/rescheduling", (*GATEWAY_DOMAIN, "gateway.rescheduling", "gateway.planning",
                                       "gateway.estimators", "gateway.policies", "switchyard.star_load")),
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
-    PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim")),
+    PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE)),
+    PureCore("switchyard/hardware.py", ()),
 )
 
 

@@ -7,7 +7,6 @@ import re
 
 import pytest
 
-from engine_agent.sim.hardware import BYTES_PER_GB, GPUS, MODELS
 from engine_agent.sim.profiles import (
     MIN_FULL_CONTEXTS,
     Profile,
@@ -16,6 +15,7 @@ from engine_agent.sim.profiles import (
     get_profile,
     known_profiles,
 )
+from switchyard.hardware import BYTES_PER_GB, GPUS, MODELS
 
 
 @pytest.mark.parametrize(
@@ -41,6 +41,8 @@ def test_model_shape_derives_params_and_kv_size(model: str, params: int, kv_byte
         ("rtx4090", 165.0, 1008.0, 24.0, 0.69),
         ("a800", 312.0, 1935.0, 80.0, 1.19),
         ("h20", 148.0, 4000.0, 96.0, 1.50),
+        ("a10", 125.0, 600.0, 24.0, 0.75),
+        ("mi210", 181.0, 1638.0, 64.0, 1.40),
     ],
 )
 def test_gpu_specs_follow_cauchy_table_1(gpu: str, tflops: float, bandwidth_gb_s: float, memory_gb: float,
@@ -50,8 +52,8 @@ def test_gpu_specs_follow_cauchy_table_1(gpu: str, tflops: float, bandwidth_gb_s
         tflops, bandwidth_gb_s, memory_gb, price_usd)
 
 
-def test_catalogue_covers_the_eight_gpus() -> None:
-    assert set(GPUS) == {"h100", "a100", "a6000", "h20", "h800", "a800", "l40", "rtx4090"}
+def test_catalogue_covers_the_ten_gpus() -> None:
+    assert set(GPUS) == {"h100", "a100", "a6000", "h20", "h800", "a800", "l40", "rtx4090", "a10", "mi210"}
 
 
 def test_kv_blocks_follow_the_memory_formula() -> None:

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from engine_agent.backends.sim import SimBackend
-from engine_agent.sim.hardware import MODELS
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.profiles import MIN_FULL_CONTEXTS, get_profile, known_profiles
 from switchyard.clock import MonotonicClock
+from switchyard.hardware import MODELS
 
 DISTILL = "deepseek-r1-distill-qwen-7b"
 QWEN3 = "qwen3-14b"

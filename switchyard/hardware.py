@@ -1,9 +1,10 @@
-"""GPU and model catalogues for the simulated engine.
+"""GPU and model catalogues, shared by the simulated engine and the gateway's planners (the ground floor).
 
 Owns: `GpuSpec` (peak dense BF16 compute, memory bandwidth, memory, hourly price, interconnect) for the GPUs
-the project simulates, and `ModelShape` (the transformer's shape from its Hugging Face config) with the
+the project knows, and `ModelShape` (the transformer's shape from its Hugging Face config) with the
 parameter, weight and KV-cache sizes derived from that shape.
-Must not: know about batching, scheduling or profiles (that is `engine_agent.sim.profiles`), or time anything.
+Must not: know about batching, scheduling or profiles (that is `engine_agent.sim.profiles`), time anything,
+or price a deployment (that is `gateway.planning`).
 
 Units: TFLOPs are 1e12 FLOP/s, GB and GB/s are decimal (1e9 bytes), prices are USD per GPU-hour.
 """
@@ -61,6 +62,12 @@ GPUS: dict[str, GpuSpec] = {
     # CAUCHY Table 1 (RTX4090): 165 TFLOPs, 1008 GB/s, 24 GB, $0.69/h. GeForce cards have no peer-to-peer over
     # PCIe, so all-reduce is staged through host memory: ~25 GB/s effective, higher latency.
     "rtx4090": GpuSpec("rtx4090", "RTX-4090-24GB", 165.0, 1008.0, 24.0, 0.69, 25.0, 40e-6),
+    # CAUCHY Table 1 (A10): 125 TFLOPs, 600 GB/s, 24 GB, $0.75/h (NVIDIA A10 datasheet: 125 dense BF16 tensor
+    # TFLOPs, 600 GB/s GDDR6). No NVLink: tensor parallelism over PCIe 4.0 x16.
+    "a10": GpuSpec("a10", "A10-24GB", 125.0, 600.0, 24.0, 0.75, _PCIE4_X16_GB_S, _PCIE_LATENCY_S),
+    # CAUCHY Table 1 (MI210): 181 TFLOPs, 1638 GB/s, 64 GB, $1.40/h (AMD Instinct MI210 datasheet: 181 peak
+    # BF16 TFLOPs, 1.6 TB/s HBM2e). Its Infinity Fabric bridge (up to 300 GB/s) is not assumed: PCIe 4.0 x16.
+    "mi210": GpuSpec("mi210", "MI210-64GB", 181.0, 1638.0, 64.0, 1.40, _PCIE4_X16_GB_S, _PCIE_LATENCY_S),
 }
 
 
