@@ -14,6 +14,9 @@
   switchyard agent ...     delegates to `engine_agent.__main__.main`
   switchyard predictor collect|train|eval ...   delegates to `engine_agent.star.cli.main` (STAR's predictor),
       with loadgen's dataset loading for `collect`
+  switchyard gpus [--price GPU=USD ...] [--json]   the GPU catalogue with CAUCHY Table 1's derived columns
+  switchyard plan --model M --workload ... --slo ... [--goodput-rps R] [--budget-usd-h X] ...   CAUCHY's
+      combo allocation (both in `launcher.planning_cli`)
 
 Owns: sub-command dispatch, the `up` orchestration and its banner, one-line errors (exit 2 for usage, 1 for a
 fleet that failed to start).
@@ -52,13 +55,15 @@ from launcher.local_fleet import (
 DEFAULT_PROFILE = "h100-llama3-8b"
 # Engines per backend when --engines is not given: vLLM on a CPU uses every core, so one per machine.
 DEFAULT_ENGINES: dict[Backend, int] = {"sim": 4, "vllm": 1}
-USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor} ...
+USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor,gpus,plan} ...
 
   up          start engine agents (simulated, or vLLM with --backend vllm --model DIR) and a gateway
   tiny-model  write a tiny random-weight Llama model directory that vLLM can serve on a CPU
   gateway     run the gateway (see: switchyard gateway --help)
   agent       run one engine agent (see: switchyard agent --help)
   predictor   STAR's remaining-length predictor: collect hidden states, train, eval (see: --help)
+  gpus        the GPU catalogue: datasheet figures, prices and CAUCHY Table 1's derived columns
+  plan        CAUCHY's GPU-combo allocation for a model, workload, SLO and goodput or budget (see: --help)
 """
 
 
@@ -362,9 +367,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name, resolve_data_dir(data_dir), num_requests=n, seed=seed
             ),
         )
+    if command == "gpus":
+        from launcher.planning_cli import gpus  # noqa: PLC0415
+
+        return gpus(rest)
+    if command == "plan":
+        from launcher.planning_cli import plan  # noqa: PLC0415
+
+        return plan(rest)
     print(
         f"switchyard: error: unknown command {command!r} "
-        "(choose from up, tiny-model, gateway, agent, predictor)",
+        "(choose from up, tiny-model, gateway, agent, predictor, gpus, plan)",
         file=sys.stderr,
     )
     return 2

@@ -1,0 +1,2 @@
+"""Deployment planning (CAUCHY, paper 004): cost efficiency, combos, allocation; pure code the gateway and
+the simulator share."""

@@ -1,0 +1,107 @@
+"""`switchyard gpus` and `switchyard plan` (CAUCHY's planning commands): output, JSON, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+from switchyard.hardware import GPUS
+
+PLAN = ["plan", "--model", "llama3-8b", "--workload", "in=337,out=1330", "--slo", "ttft=5000,tpot=30"]
+
+
+def test_switchyard_gpus_prints_the_catalogue(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gpus", "--json", "--price", "H20=1.0"]) == 0
+    rows = {r["gpu"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(GPUS)
+    assert rows["h20"]["usd_per_hour"] == 1.0 and rows["h20"]["gb_per_usd"] == 4000 * 3600
+    assert rows["h800"]["tflop_per_usd"] == round(989 * 3600 / 2.69)
+    assert main(["gpus"]) == 0
+    assert "H20-NVL-96GB" in capsys.readouterr().out
+    for bad, reason in ((["--price", "h20"], "expected GPU=USD"), (["--price", "h20=x"], "not a number"),
+                        (["--price", "b200=1"], "unknown GPU b200")):
+        assert main(["gpus", *bad]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_meets_the_demand_within_the_inventory(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert main([*PLAN, "--goodput-rps", "40", "--gpus", "h800:2,a800:4,h20:3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "switchyard.plan/1" and doc["fallback"] is None
+    assert doc["expected_goodput_rps"] >= 40
+    assert all(doc["gpus_used"].get(g, 0) <= n for g, n in {"h800": 2, "a800": 4, "h20": 3}.items())
+    total = sum(c["usd_per_hour"] * c["count"] for c in doc["combos"])
+    assert doc["total_usd_per_h"] == pytest.approx(total)
+    assert doc["solver_ms"] > 0 and doc["tokens_per_usd"] > 0
+    assert "solver" in printed and doc["combos"][0]["combo"] in printed
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--goodput-rps", "600", "--budget-usd-h", "30"], "600 req/s needs >= $"),
+        (["--goodput-rps", "2000", "--gpus", "h20:8"], "2000 req/s needs 205 h20 (205 x 1xh20), 8 available"),
+        (["--goodput-rps", "5", "--slo", "ttft=5000,tpot=0.5"],
+         "TPOT 0.5 ms < fastest decode step (h20x6, 0.7 ms)"),
+        (["--goodput-rps", "5", "--gpus", "b200:8"], "unknown GPU 'b200'; known: a10,"),
+        (["--goodput-rps", "5", "--model", "gpt5"], "unknown model 'gpt5'; known:"),
+        ([], "give --goodput-rps, --budget-usd-h, or both"),
+        (["--goodput-rps", "-1"], "--goodput-rps must be > 0"),
+        (["--goodput-rps", "5", "--workload", "in=1"], "give in=TOKENS,out=TOKENS"),
+    ],
+)
+def test_plan_refuses_what_cannot_be_planned_in_one_line(extra: list[str], reason: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    args = list(PLAN)
+    for flag in ("--slo", "--model", "--workload"):  # a later flag of the same name wins in argparse
+        if flag in extra:
+            i = args.index(flag)
+            del args[i:i + 2]
+    assert main([*args, *extra]) == 2
+    err = capsys.readouterr().err
+    assert reason in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_fallback_plans_the_most_goodput_and_says_so(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert main([*PLAN, "--goodput-rps", "2000", "--gpus", "h20:8", "--fallback", "--json", str(out)]) == 0
+    assert "FALLBACK (--fallback)" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["fallback"].startswith("2000 req/s needs") and doc["gpus_used"] == {"h20": 8}
+    assert 0 < doc["expected_goodput_rps"] < 2000
+
+
+def test_autoscale_replays_a_timed_trace_through_algorithm_1(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A timed JSONL trace at 1 req/s for 10 minutes, then 3 req/s for 10: the fleet sized for the first
+    window grows after the step, and the bill integrates $/h over the trace."""
+    trace = tmp_path / "timed.jsonl"
+    times = [i * 1.0 for i in range(600)] + [600 + i / 3 for i in range(1800)]
+    rows = (json.dumps({"prompt": "hello there", "output_tokens": 200, "timestamp": t}) for t in times)
+    trace.write_text("".join(row + "\n" for row in rows))
+    table = tmp_path / "goodput.json"
+    table.write_text(json.dumps({"1xa800": 1.2, "1xh20": 2.0}))
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "llama3-8b", "--workload", f"jsonl:{trace}", "--slo", "ttft=5000,tpot=50",
+            "--goodput-table", str(table), "--autoscale", "--json", str(out)]
+    assert main(args) == 0
+    assert "ScaleOut" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    auto = doc["autoscale"]
+    assert doc["demand_rps"] == pytest.approx(1.0, abs=0.01)  # the first 120 s window's mean
+    outs = [a for a in auto["actions"] if a["kind"] == "ScaleOut"]
+    assert outs and all(a["at_s"] > 600 for a in outs)
+    assert auto["samples"][-1][2] >= 3.0  # capacity at the end covers 3 req/s
+    bill = sum(s[3] * 10.0 / 3600.0 for s in auto["samples"])
+    assert auto["usd_total"] == pytest.approx(bill)
+    assert main(["plan", "--model", "llama3-8b", "--workload", "in=1,out=1", "--slo", "ttft=5000,tpot=50",
+                 "--autoscale"]) == 2
+    assert "--autoscale needs a timed dataset" in capsys.readouterr().err
