@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.datasets.request import Request, TokenizerLike
-from loadgen.datasets.synth import fill_prompts
+from loadgen.datasets.synth import fill_prompts, lognormal_requests
 from loadgen.datasets.text import load_alpaca, load_custom_jsonl, load_questions, load_sharegpt
 from loadgen.datasets.traces import load_azure_csv, load_length_csv, read_decode_lengths
 
@@ -45,11 +45,14 @@ DATASETS: tuple[DatasetSpec, ...] = (
     DatasetSpec("alpaca", "alpaca/alpaca_5000.json", "alpaca"),
 )
 PATH_PREFIXES = ("sharegpt:", "jsonl:")
+SYNTH_PREFIX = "synth:"
 
 
 def dataset_names() -> tuple[str, ...]:
-    """Every accepted name; ``sharegpt:PATH`` and ``jsonl:PATH`` take a file path as well."""
-    return tuple(spec.name for spec in DATASETS) + tuple(p + "PATH" for p in PATH_PREFIXES)
+    """Every accepted name; ``sharegpt:PATH`` and ``jsonl:PATH`` take a file path as well, ``synth:`` the
+    means of its lognormal lengths."""
+    return (tuple(spec.name for spec in DATASETS) + tuple(p + "PATH" for p in PATH_PREFIXES)
+            + (SYNTH_PREFIX + "in=N,out=N[,sigma=S,n=COUNT]",))
 
 
 def load_dataset(
@@ -117,6 +120,8 @@ def dataset_path(name: str, data_dir: Path | None) -> Path:
 def _load_all(
     name: str, data_dir: Path | None, *, seed: int, tokenizer: TokenizerLike | None
 ) -> list[Request]:
+    if name.startswith(SYNTH_PREFIX):
+        return lognormal_requests(name[len(SYNTH_PREFIX):], seed=seed)
     path = dataset_path(name, data_dir)
     if name.startswith("jsonl:"):
         return load_custom_jsonl(path, name="jsonl", tokenizer=tokenizer)

@@ -140,3 +140,36 @@ def fill_prompts(
             ids = synthesize_prompt_token_ids(req.prompt_tokens, vocab_size, (seed, index), exclude_ids)
             out.append(dataclasses.replace(req, prompt_token_ids=tuple(ids)))
     return out
+
+
+SYNTH_DEFAULT_SIGMA = 0.5
+SYNTH_DEFAULT_COUNT = 10_000
+
+
+def lognormal_requests(spec: str, *, seed: int) -> list[Request]:
+    """``in=702,out=42[,sigma=0.5][,n=10000]``: token-count-only requests whose prompt and output lengths are
+    seeded lognormals with those means (mu = ln(mean) - sigma^2 / 2) and log-std ``sigma``, rounded, at least
+    1 token. For workload shapes known only by their means (CAUCHY's DailyMail 702/42, LongWriter)."""
+    fields: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"synth:{spec}: expected KEY=VALUE pairs (in, out, sigma, n)")
+        fields[key.strip()] = value.strip()
+    unknown = set(fields) - {"in", "out", "sigma", "n"}
+    if unknown or not {"in", "out"} <= set(fields):
+        raise ValueError(f"synth:{spec}: give in=MEAN,out=MEAN (optional sigma=S, n=COUNT)")
+    try:
+        mean_in, mean_out = float(fields["in"]), float(fields["out"])
+        sigma = float(fields.get("sigma", SYNTH_DEFAULT_SIGMA))
+        count = int(fields.get("n", SYNTH_DEFAULT_COUNT))
+    except ValueError:
+        raise ValueError(f"synth:{spec}: in, out and sigma must be numbers, n a whole number") from None
+    if not (mean_in >= 1 and mean_out >= 1 and sigma >= 0 and count >= 1):
+        raise ValueError(f"synth:{spec}: need in >= 1, out >= 1, sigma >= 0, n >= 1")
+    rng = np.random.default_rng([seed, 7])
+    ins = rng.lognormal(np.log(mean_in) - sigma**2 / 2, sigma, count)
+    outs = rng.lognormal(np.log(mean_out) - sigma**2 / 2, sigma, count)
+    return [Request(request_id=f"synth-{i}", prompt_tokens=max(1, round(float(a))),
+                    output_tokens=max(1, round(float(b))))
+            for i, (a, b) in enumerate(zip(ins, outs, strict=True))]

@@ -54,3 +54,20 @@ def test_text_counts_a_bos_the_tokenizer_adds() -> None:
         assert len(tok.encode(synthesize_prompt_text(n, tok, seed=n)).ids) == n
     with pytest.raises(ValueError, match="already encodes to 1"):
         synthesize_prompt_text(0, tok)
+
+
+def test_synth_lognormal_workloads_have_the_asked_means_and_are_seeded() -> None:
+    from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
+
+    requests = load_dataset("synth:in=702,out=42", None, num_requests=10_000, seed=3)
+    mean_in = sum(r.prompt_tokens for r in requests) / len(requests)
+    mean_out = sum(r.output_tokens or 0 for r in requests) / len(requests)
+    assert abs(mean_in / 702 - 1) < 0.02 and abs(mean_out / 42 - 1) < 0.02
+    assert min(r.prompt_tokens for r in requests) >= 1 and min(r.output_tokens or 0 for r in requests) >= 1
+    again = load_dataset("synth:in=702,out=42", None, num_requests=10_000, seed=3)
+    assert [r.prompt_tokens for r in again] == [r.prompt_tokens for r in requests]
+    flat = load_dataset("synth:in=100,out=20,sigma=0,n=5", None, seed=0)
+    assert {(r.prompt_tokens, r.output_tokens) for r in flat} == {(100, 20)} and len(flat) == 5
+    for bad in ("synth:in=702", "synth:in=x,out=2", "synth:in=702,out=42,mu=1", "synth:in=0,out=1"):
+        with pytest.raises(ValueError, match="synth:"):
+            load_dataset(bad, None)
