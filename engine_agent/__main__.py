@@ -56,6 +56,8 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     parser.add_argument("--drain-grace-s", type=float, default=defaults.drain_grace_s)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--role", default=defaults.role, help='e.g. "prefill", "decode", "cascade-small"')
+    parser.add_argument("--combo", default=defaults.combo,
+                        help='the GPU combo this engine belongs to, e.g. "1xh800+2xh20" (switchyard plan)')
     parser.add_argument(
         "--model",
         default=None,
@@ -213,6 +215,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         drain_grace_s=args.drain_grace_s,
         seed=args.seed,
         role=args.role,
+        combo=args.combo,
         model=args.served_model_name if vllm else args.model,
     )
 

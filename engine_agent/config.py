@@ -99,6 +99,7 @@ class AgentConfig(BaseModel):
     drain_grace_s: float = Field(default=30.0, ge=0.0)
     seed: int = 0
     role: str = ""  # "" (generic), "prefill", "decode", "stage-0", "cascade-small", ...
+    combo: str = ""  # the GPU combo this engine belongs to (CAUCHY's plans: `switchyard plan`); "" = none
     model: str | None = Field(default=None, min_length=1)  # reported model name; None = the profile's model
     # vLLM: the HF model directory to serve (a real model or `switchyard tiny-model --out DIR`).
     model_dir: str | None = Field(default=None, min_length=1)

@@ -345,6 +345,7 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
         capabilities=capabilities,
         on_stream_end=_stream_end_hook(recording, star),
         star=None if star is None else star.live,
+        combo=config.combo,
     )
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):

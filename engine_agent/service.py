@@ -143,7 +143,9 @@ class AgentService(pb_grpc.EngineAgentServicer):
         capabilities: Capabilities | None = None,
         on_stream_end: Callable[[StreamEnd], None] | None = None,
         star: StarLive | None = None,
+        combo: str = "",
     ) -> None:
+        """`combo`: the GPU combo the engine belongs to (`--combo`), sent in its identity."""
         if state_interval_s <= 0:
             raise ValueError(f"state_interval_s must be > 0, got {state_interval_s}")
         self._backend = backend
@@ -169,6 +171,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
             backend=static.backend,
             profile=static.profile,
             role=static.role,
+            combo=combo,
         )
 
     # -- lifecycle (called by the server) ----------------------------------------------------------

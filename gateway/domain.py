@@ -82,6 +82,11 @@ class EngineView:
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
     kv_bytes_per_token: int = 0  # from the engine's description (0 = unknown): migration cost, C_mig
+    # The hardware, its price and its GPU combo (CAUCHY): from the description / identity; "" / 0 = unknown.
+    gpu: str = ""
+    tensor_parallel: int = 1
+    hourly_price_usd: float = 0.0
+    combo: str = ""
     # Gateway-side optimistic accounting: requests this gateway dispatched and not yet finished.
     inflight_requests: int = 0
     inflight_tokens: int = 0  # prompt + max output tokens of those requests (an upper bound)
@@ -281,6 +286,7 @@ class EngineReport:
     # STAR: present only in a push that follows a new prediction round (the store keeps the last ones).
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
+    combo: str = ""  # the GPU combo the engine belongs to (CAUCHY), from its identity; "" = none
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,3 +300,7 @@ class EngineDescription:
     block_size: int
     max_num_seqs: int
     kv_bytes_per_token: int = 0  # 0 = the engine did not say
+    # The hardware and its price (GetInfo; "" / 0 = unknown), for cost accounting and CAUCHY's planner.
+    gpu: str = ""
+    tensor_parallel: int = 1
+    hourly_price_usd: float = 0.0

@@ -356,6 +356,8 @@ class ClusterState:
         block_size = desc.block_size if desc is not None and desc.block_size > 0 else DEFAULT_BLOCK_SIZE
         max_num_seqs = desc.max_num_seqs if desc is not None else 0
         samples = len(state.latencies)
+        gpu, tp, price = ("", 1, 0.0) if desc is None else (
+            desc.gpu, desc.tensor_parallel, desc.hourly_price_usd)
         recent_ttft_s = state.ttft_sum_s / samples if samples else None
         recent_e2e_s = state.e2e_sum_s / samples if samples else None
         if report is None:
@@ -365,6 +367,9 @@ class ClusterState:
                 profile=desc.profile if desc is not None else "",
                 backend=desc.backend if desc is not None else "",
                 role=desc.role if desc is not None else "",
+                gpu=gpu,
+                tensor_parallel=tp,
+                hourly_price_usd=price,
                 block_size=block_size,
                 max_num_seqs=max_num_seqs,
                 inflight_requests=state.inflight_requests,
@@ -387,6 +392,10 @@ class ClusterState:
             profile=report.profile,
             backend=report.backend,
             role=report.role,
+            combo=report.combo,
+            gpu=gpu,
+            tensor_parallel=tp,
+            hourly_price_usd=price,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             inflight_requests=state.inflight_requests,

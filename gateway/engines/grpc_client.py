@@ -179,6 +179,7 @@ def from_engine_state(state: pb.EngineState) -> EngineReport:
         profile=ident.profile,
         backend=ident.backend,
         role=ident.role,
+        combo=ident.combo,
         seq=state.seq,
         engine_timestamp_s=state.timestamp_s,
         ready=state.ready,
@@ -241,6 +242,9 @@ def from_engine_info(info: pb.EngineInfo) -> EngineDescription:
         block_size=info.block_size,
         max_num_seqs=info.max_num_seqs,
         kv_bytes_per_token=info.kv_bytes_per_token,
+        gpu=info.gpu,
+        tensor_parallel=max(info.tensor_parallel, 1),
+        hourly_price_usd=info.hourly_price_usd,
     )
 
 

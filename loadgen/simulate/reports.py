@@ -58,6 +58,9 @@ def describe_engine(
         block_size=profile.block_size,
         max_num_seqs=profile.max_num_seqs,
         kv_bytes_per_token=profile.model.kv_bytes_per_token,
+        gpu=profile.gpu.display_name,  # as the sim agent reports it (SimBackend.static)
+        tensor_parallel=profile.tensor_parallel,
+        hourly_price_usd=profile.hourly_price_usd,
     )
 
 
@@ -69,6 +72,7 @@ def report_from_stats(
     draining: bool = False,
     timestamp_s: float | None = None,
     star: StarRound | None = None,
+    combo: str = "",
 ) -> EngineReport:
     """The `EngineReport` the gateway receives for `stats` sent with sequence number `seq`: the agent's proto
     encoding decoded by the gateway's gRPC client, as on the wire.
@@ -84,6 +88,7 @@ def report_from_stats(
         profile=identity.profile,
         backend=identity.backend,
         role=identity.role,
+        combo=combo,
     )
     return from_engine_state(
         engine_state(stats, identity=pb_identity, seq=seq, draining=draining, started=True, star=star)

@@ -251,18 +251,20 @@ class WatchStateRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class EngineIdentity(_message.Message):
-    __slots__ = ("engine_id", "model", "backend", "profile", "role")
+    __slots__ = ("engine_id", "model", "backend", "profile", "role", "combo")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    COMBO_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     backend: str
     profile: str
     role: str
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., profile: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    combo: str
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., profile: _Optional[str] = ..., role: _Optional[str] = ..., combo: _Optional[str] = ...) -> None: ...
 
 class LensState(_message.Message):
     __slots__ = ("predicted_batch_latency_s", "pending_work_tokens", "effective_free_kv_blocks", "peak_throughput_tokens_per_s", "prediction_error_ratio", "slo_risk")

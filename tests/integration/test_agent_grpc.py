@@ -43,7 +43,7 @@ def _run_cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    running = Agent.start(tmp_path_factory.mktemp("agent"), "--state-interval-ms", "50")
+    running = Agent.start(tmp_path_factory.mktemp("agent"), "--state-interval-ms", "50", "--combo", "1xh100")
     yield running
     code = running.terminate()
     print(f"\nshared agent: exit {code}; {running.loop_lag_line()}")
@@ -137,6 +137,7 @@ async def test_health_and_info(agent: Agent, stub: pb_grpc.EngineAgentStub, toke
     assert info.max_context_tokens == MAX_CONTEXT and info.block_size == 16
     assert info.tokenizer == tokenizer.identity and info.eos_token_id == tokenizer.eos_token_id
     assert info.gpu and info.gpu_memory_gb == 80.0 and info.tensor_parallel == 1
+    assert info.hourly_price_usd == 2.99 and info.identity.combo == "1xh100"  # CAUCHY: price and combo
     assert (info.hidden_size, info.hidden_state_interval) == (4096, 20)  # llama3-8b; the default interval
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,22 @@ def test_lifecycle_from_added_to_ready_to_disconnected() -> None:
         state.add_engine(A, 7.0)
     state.remove_engine(A)
     assert state.engine_ids() == () and A not in state
+
+
+def test_views_carry_the_hardware_price_and_combo_stale_or_not() -> None:
+    """CAUCHY needs each engine's GPU, TP, price (GetInfo) and combo (its identity, on every report)."""
+    state = ClusterState(stale_after_s=1.0, snapshot_resolution_s=0.0)
+    state.add_engine(A, 5.0)
+    state.on_describe(A, replace(describe(), gpu="H20-NVL-96GB", tensor_parallel=2, hourly_price_usd=3.0))
+    view = state.snapshot(5.0).engines[0]
+    assert (view.gpu, view.tensor_parallel, view.hourly_price_usd, view.combo) == ("H20-NVL-96GB", 2, 3.0, "")
+    state.on_connect(A)
+    state.on_report(A, report(1, 6.0, combo="1xh800+2xh20"), 6.0)
+    fresh, stale = state.snapshot(6.0).engines[0], state.snapshot(9.0).engines[0]
+    assert not fresh.stale and stale.stale
+    for view in (fresh, stale):
+        assert (view.gpu, view.tensor_parallel, view.hourly_price_usd, view.combo) == (
+            "H20-NVL-96GB", 2, 3.0, "1xh800+2xh20")
 
 
 def test_staleness_follows_the_time_argument() -> None:

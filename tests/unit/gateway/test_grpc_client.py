@@ -23,7 +23,8 @@ from gateway.engines.grpc_client import GrpcEngineClient, to_generate_request
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
-IDENTITY = pb.EngineIdentity(engine_id="e0", model="m", backend="sim", profile="p", role="")
+IDENTITY = pb.EngineIdentity(engine_id="e0", model="m", backend="sim", profile="p", role="",
+                             combo="1xh800+2xh20")
 
 
 class FakeAgent(pb_grpc.EngineAgentServicer):
@@ -83,7 +84,8 @@ class FakeAgent(pb_grpc.EngineAgentServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "agent stopping")
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.EngineInfo:  # noqa: N802
-        return pb.EngineInfo(identity=IDENTITY, max_context_tokens=4096, block_size=16, max_num_seqs=64)
+        return pb.EngineInfo(identity=IDENTITY, max_context_tokens=4096, block_size=16, max_num_seqs=64,
+                             gpu="H20-NVL-96GB", tensor_parallel=2, hourly_price_usd=3.0)
 
 
 @pytest.fixture
@@ -175,6 +177,7 @@ async def test_describe_and_watch(agent: tuple[FakeAgent, GrpcEngineClient]) -> 
         64,
         4096,
     )
+    assert (desc.gpu, desc.tensor_parallel, desc.hourly_price_usd) == ("H20-NVL-96GB", 2, 3.0)
     reports = []
     with pytest.raises(EngineUnavailable, match="agent stopping"):
         async for report in client.watch_state():
@@ -183,7 +186,7 @@ async def test_describe_and_watch(agent: tuple[FakeAgent, GrpcEngineClient]) -> 
         (1, 11.0, 1, 60),
         (2, 12.0, 2, 60),
     ]
-    assert reports[0].lens is None
+    assert reports[0].lens is None and {r.combo for r in reports} == {"1xh800+2xh20"}
     assert reports[1].lens is not None and reports[1].lens.predicted_batch_latency_s == pytest.approx(0.02)
     assert reports[1].lens.peak_throughput_tokens_per_s == pytest.approx(9e3)
 
