@@ -295,6 +295,14 @@ class VllmBackend:
             if ids:
                 with contextlib.suppress(Exception):
                     await llm.abort(ids)
+            # AsyncLLM.shutdown stops the engine core first and cancels its output handler after, so the
+            # handler sees a dead engine in between and logs "AsyncLLM output_handler failed ...
+            # EngineDeadError" on every clean stop. Nothing reads outputs any more: cancel it here first.
+            handler = getattr(llm, "output_handler", None)
+            if isinstance(handler, asyncio.Task) and not handler.done():
+                handler.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await handler
             await asyncio.to_thread(llm.shutdown)
 
     # -- protocol: requests ------------------------------------------------------------------------------
