@@ -129,7 +129,7 @@ def parse_workload(text: str, data_dir: str | None) -> tuple[Any, str]:
     """`in=337,out=1330` or a loadgen dataset name (means of its prompt and output tokens)."""
     from gateway.planning.cost_model import Workload  # noqa: PLC0415
 
-    if "=" in text:
+    if "=" in text and ":" not in text.split("=", 1)[0]:  # in=..,out=.. (not synth:in=..)
         pairs = parse_pairs(text, "--workload")
         unknown = set(pairs) - {"in", "out"}
         if unknown or set(pairs) != {"in", "out"}:
@@ -139,7 +139,7 @@ def parse_workload(text: str, data_dir: str | None) -> tuple[Any, str]:
     from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
     from loadgen.paths import resolve_data_dir  # noqa: PLC0415
 
-    requests = load_dataset(text, resolve_data_dir(data_dir), num_requests=2000, seed=0)
+    requests = load_dataset(text, resolve_data_dir(data_dir), seed=0)
     outputs = [r.output_tokens for r in requests if r.output_tokens is not None]
     if not requests or len(outputs) < len(requests):
         raise ValueError(f"--workload {text}: the dataset does not give every request's output length; "
@@ -210,7 +210,7 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
             inventory[gpu] = int(count)
         arrivals: list[float] = []
         if args.autoscale:
-            if "=" in args.workload:
+            if "=" in args.workload and ":" not in args.workload.split("=", 1)[0]:
                 return fail("--autoscale needs a timed dataset as --workload (e.g. azure-conv)")
             if not args.autoscale_step_s > 0:
                 return fail(f"--autoscale-step-s must be > 0, got {args.autoscale_step_s:g}")

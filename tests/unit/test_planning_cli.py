@@ -105,3 +105,20 @@ def test_autoscale_replays_a_timed_trace_through_algorithm_1(tmp_path: Path,
     assert main(["plan", "--model", "llama3-8b", "--workload", "in=1,out=1", "--slo", "ttft=5000,tpot=50",
                  "--autoscale"]) == 2
     assert "--autoscale needs a timed dataset" in capsys.readouterr().err
+
+
+def test_plan_takes_a_dataset_or_a_synth_workload_by_its_means(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    small = tmp_path / "small.jsonl"  # fewer rows than any sample size: all of them are used
+    rows = (json.dumps({"prompt": "word " * 40, "output_tokens": n}) for n in (100, 300))
+    small.write_text("".join(row + "\n" for row in rows))
+    out = tmp_path / "plan.json"
+    cases = ((f"jsonl:{small}", (None, 200.0)), ("synth:in=702,out=42", (702.0, 42.0)))
+    for workload, (r_in, r_out) in cases:
+        assert main(["plan", "--model", "llama3-8b", "--workload", workload, "--slo", "ttft=5000,tpot=50",
+                     "--goodput-rps", "5", "--json", str(out)]) == 0, capsys.readouterr().err
+        doc = json.loads(out.read_text())
+        assert doc["output_tokens"] == pytest.approx(r_out, rel=0.02)
+        if r_in is not None:
+            assert doc["input_tokens"] == pytest.approx(r_in, rel=0.02)
+    capsys.readouterr()
