@@ -47,26 +47,35 @@ PAPER_WIDTHS = (2048, 512, 64)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
-def latency_worker(hidden_sizes: list[int], batch_repeats: int, single_repeats: int) -> dict[str, Any]:
-    """Runs in a child with one BLAS thread: time `predict` on random weights of Eq. 2's shape."""
-    import numpy as np  # noqa: PLC0415 (after the thread variables are set)
+def random_predictor(hidden_size: int, rng: Any, model: str = "random") -> Any:
+    """An untrained `LengthPredictor` of Eq. 2's shape (m = 2048/512/64) with random weights, for cost figures
+    (its cost does not depend on the weights). Imports numpy only when called, so a caller can set the BLAS
+    thread variables first."""
+    import numpy as np  # noqa: PLC0415
 
     from engine_agent.star.history import HistoryTable  # noqa: PLC0415
     from engine_agent.star.mlp import MLP  # noqa: PLC0415
     from engine_agent.star.predictor import LengthPredictor, PredictorMeta  # noqa: PLC0415
 
+    return LengthPredictor(
+        mlp=MLP.initialise(hidden_size, PAPER_WIDTHS, rng),
+        input_mean=np.zeros(hidden_size, dtype=np.float32),
+        input_std=np.ones(hidden_size, dtype=np.float32),
+        meta=PredictorMeta(model=model, hidden_size=hidden_size, widths=PAPER_WIDTHS, target_scale=300.0,
+                           seed=0),
+        history=HistoryTable(edges=np.zeros(1), means=np.zeros(1)),
+        test_request_ids=np.array([], dtype=np.str_),
+    )
+
+
+def latency_worker(hidden_sizes: list[int], batch_repeats: int, single_repeats: int) -> dict[str, Any]:
+    """Runs in a child with one BLAS thread: time `predict` on random weights of Eq. 2's shape."""
+    import numpy as np  # noqa: PLC0415 (after the thread variables are set)
+
     out: dict[str, Any] = {}
     for d in hidden_sizes:
         rng = np.random.default_rng(0)
-        predictor = LengthPredictor(
-            mlp=MLP.initialise(d, PAPER_WIDTHS, rng),
-            input_mean=np.zeros(d, dtype=np.float32),
-            input_std=np.ones(d, dtype=np.float32),
-            meta=PredictorMeta(model="random", hidden_size=d, widths=PAPER_WIDTHS, target_scale=300.0,
-                               seed=0),
-            history=HistoryTable(edges=np.zeros(1), means=np.zeros(1)),
-            test_request_ids=np.array([], dtype=np.str_),
-        )
+        predictor = random_predictor(d, rng)
         timings: dict[str, list[float]] = {}
         for batch, repeats in ((256, batch_repeats), (1, single_repeats)):
             x = rng.standard_normal((batch, d)).astype(np.float32)

@@ -42,16 +42,15 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine_agent.star.history import HistoryTable  # noqa: E402
-from engine_agent.star.mlp import MLP  # noqa: E402
-from engine_agent.star.predictor import LengthPredictor, PredictorMeta  # noqa: E402
+from star_predictor import PAPER_WIDTHS as WIDTHS  # noqa: E402  (benchmarks/ is the script's directory)
+from star_predictor import random_predictor  # noqa: E402
+
 from launcher.local_fleet import AgentSpec, LocalFleet  # noqa: E402
 from switchyard.proto_gen import engine_agent_pb2 as pb  # noqa: E402
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc  # noqa: E402
 
 ARMS = ("off", "tap", "predict")
 INTERVAL = 20
-WIDTHS = (2048, 512, 64)
 
 
 def free_port() -> int:
@@ -63,15 +62,7 @@ def free_port() -> int:
 def write_predictor(path: Path, hidden_size: int) -> None:
     import numpy as np  # noqa: PLC0415
 
-    rng = np.random.default_rng(0)
-    LengthPredictor(
-        mlp=MLP.initialise(hidden_size, WIDTHS, rng),
-        input_mean=np.zeros(hidden_size, dtype=np.float32),
-        input_std=np.ones(hidden_size, dtype=np.float32),
-        meta=PredictorMeta(model="tiny", hidden_size=hidden_size, widths=WIDTHS, target_scale=300.0, seed=0),
-        history=HistoryTable(edges=np.zeros(1), means=np.zeros(1)),
-        test_request_ids=np.array([], dtype=np.str_),
-    ).save(path)
+    random_predictor(hidden_size, np.random.default_rng(0), model="tiny").save(path)
 
 
 def agent_flags(arm: str, predictor: Path, interval: int) -> tuple[str, ...]:

@@ -183,6 +183,7 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         explain_infeasible,
         summarize,
     )
+    from loadgen.metrics import parse_slo  # noqa: PLC0415
 
     args = build_plan_parser(prog).parse_args(argv)
 
@@ -195,12 +196,10 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         if args.model not in MODELS:
             return fail(f"unknown model {args.model!r}; known: {', '.join(sorted(MODELS))}")
         shape = MODELS[args.model]
-        slo_pairs = parse_pairs(args.slo, "--slo")
-        if set(slo_pairs) != {"ttft", "tpot"}:
+        targets = parse_slo(args.slo)
+        if targets.ttft_ms is None or targets.tpot_ms is None or targets.e2e_ms is not None:
             return fail(f"--slo {args.slo!r}: give ttft=MS,tpot=MS")
-        ttft_ms = _positive(slo_pairs["ttft"], "--slo ttft")
-        tpot_ms = _positive(slo_pairs["tpot"], "--slo tpot")
-        slo = Slo(ttft_ms / 1e3, tpot_ms / 1e3)
+        slo = Slo(targets.ttft_ms / 1e3, targets.tpot_ms / 1e3)
         inventory: dict[str, int] = {}
         for gpu, count in parse_pairs(args.gpus, "--gpus").items():
             if gpu not in catalogue:

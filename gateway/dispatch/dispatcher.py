@@ -286,15 +286,9 @@ class Dispatcher:
                 metrics.stream_errors.labels("stall" if stalled else "engine").inc()
                 raise
             finally:
-                if watched is not None and watch is not None:
-                    watch.close(watched)
                 try:
-                    with contextlib.suppress(Exception):
-                        await stream.aclose()  # type: ignore[attr-defined]  # cancels the engine request
+                    await self._close_attempt(stream, watched, life, request.request_id)
                 finally:
-                    released = life.on_closed()
-                    if released is not None:
-                        state.note_finish(released, request.request_id)
                     if backoff_s > 0:
                         await asyncio.sleep(backoff_s)
             # Only a migration leaves the loop this way (a finish returned, a failure raised): follow it.
@@ -424,18 +418,25 @@ class Dispatcher:
                     metrics.stream_errors.labels("stall" if stalled else "engine").inc()
                     raise
                 finally:
-                    if watched is not None and watch is not None:
-                        watch.close(watched)
-                    try:
-                        with contextlib.suppress(Exception):
-                            await stream.aclose()  # type: ignore[attr-defined]
-                    finally:
-                        released = life.on_closed()
-                        if released is not None:
-                            state.note_finish(released, request.request_id)
+                    await self._close_attempt(stream, watched, life, request.request_id)
         finally:
             if held is not None:  # the client left, or the splice failed, before anything pulled it
                 self._release(held)
+
+    async def _close_attempt(
+        self, stream: AsyncIterator[StreamEvent], watched: Watched | None, life: ChoiceLife, request_id: str
+    ) -> None:
+        """End one engine attempt, however it ended: stop watching it for stalls, close its stream (the engine
+        cancels the request if it still runs) and release its dispatch in the ledger."""
+        if watched is not None and self.stall_watch is not None:
+            self.stall_watch.close(watched)
+        try:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            released = life.on_closed()
+            if released is not None:
+                self._state.note_finish(released, request_id)
 
     def _release(self, ticket: MigrationTicket) -> None:
         """Tell a cut's source that its held KV will not be pulled, in the background (the client's stream
