@@ -11,7 +11,9 @@ import asyncio, grpc, aiohttp, prometheus or time, or hold mutable state. Times 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal, NewType
 
 EngineId = NewType("EngineId", str)
@@ -115,12 +117,53 @@ class EngineView:
         return self.num_running + self.num_waiting + self.unreported_requests
 
 
+# A weighted policy's weights for one model: (group, weight) pairs sorted by group (goodput_rr's combos).
+RouteWeights = tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTag:
+    """What a weighted policy (`gateway.policies.goodput_rr`) says about one pick, for the ledger: the pick
+    counts for group `weights[index]` under `weights` of `model`'s groups."""
+
+    model: str
+    weights: RouteWeights
+    index: int
+
+    @property
+    def group(self) -> str:
+        return self.weights[self.index][0]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTally:
+    """A model's weighted-pick counts since its weights last changed (`ClusterState` keeps them)."""
+
+    weights: RouteWeights
+    counts: tuple[int, ...]  # picks tagged with `weights`, per group in `weights`' order
+
+    def count(self, group: str) -> int:
+        for (name, _), n in zip(self.weights, self.counts, strict=True):
+            if name == group:
+                return n
+        return 0
+
+
+_NO_ROUTES: Mapping[str, RouteTally] = MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
-    """The fleet at one instant. `engines` is in a stable order (by engine id)."""
+    """The fleet at one instant. `engines` is in a stable order (by engine id). `routes`: model -> the
+    weighted picks since that model's weights last changed (empty unless a weighted policy routes).
+    `membership`: two snapshots with the same value >= 0 (unique per process) have the same engines in the
+    same order, each with the same model, readiness, ejection, combo and profile (policies may memoise what
+    depends on those alone); -1: unknown (hand-built snapshots)."""
 
     taken_at_s: float
     engines: tuple[EngineView, ...]
+    routes: Mapping[str, RouteTally] = field(default_factory=lambda: _NO_ROUTES)
+    membership: int = -1
 
     def get(self, engine_id: EngineId) -> EngineView | None:
         for e in self.engines:

@@ -33,9 +33,11 @@ taken at t counts in the snapshot at now_s while now_s - t < latency_window_s; `
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from gateway.cluster.health import EngineHealth, FailureReason, OutlierParams
 from gateway.domain import (
@@ -46,8 +48,13 @@ from gateway.domain import (
     EngineView,
     FutureLoad,
     RequestPrediction,
+    RouteTag,
+    RouteTally,
 )
 
+# `ClusterSnapshot.membership` values, unique in the process (a policy shared by several cluster states, as
+# the simulator's deciders share theirs, must never see one value for two memberships).
+_MEMBERSHIP_EPOCHS = itertools.count()
 DEFAULT_BLOCK_SIZE = 16  # assumed until an engine describes itself
 DEFAULT_LATENCY_WINDOW_S = 2.0  # NexusSched §7.4's latency-based baseline averages the last 2 s
 
@@ -86,6 +93,7 @@ class _Engine:
     # STAR: the last prediction round's predictions and future-load summary (reports carry them per round).
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
+    last_view: EngineView | None = None  # in the last snapshot (for `ClusterSnapshot.membership`)
 
     def expire_latencies(self, now_s: float, window_s: float) -> None:
         samples = self.latencies
@@ -128,6 +136,10 @@ class ClusterState:
         self._changed = True
         self._cached: ClusterSnapshot | None = None
         self._next_stale_s = float("inf")
+        # Weighted picks (goodput_rr): model -> picks per group since its weights last changed.
+        self._routes: Mapping[str, RouteTally] = MappingProxyType({})
+        # A new value when the set of engines or one's model/readiness/ejection/combo/profile changes.
+        self._membership = next(_MEMBERSHIP_EPOCHS)
 
     # ---- membership and lifecycle events -----------------------------------------------------------------
 
@@ -138,12 +150,14 @@ class ClusterState:
         self._engines[engine_id] = _Engine(engine_id=engine_id, added_at_s=now_s)
         self._order = tuple(self._engines[e] for e in sorted(self._engines))
         self._changed = True
+        self._membership = next(_MEMBERSHIP_EPOCHS)
 
     def remove_engine(self, engine_id: EngineId) -> None:
         """Forget an engine and its accounting (an explicit act); KeyError when unknown."""
         del self._engines[engine_id]
         self._order = tuple(self._engines[e] for e in sorted(self._engines))
         self._changed = True
+        self._membership = next(_MEMBERSHIP_EPOCHS)
 
     def on_describe(self, engine_id: EngineId, description: EngineDescription) -> None:
         self._engines[engine_id].description = description
@@ -200,11 +214,17 @@ class ClusterState:
         max_tokens: int,
         session_id: str,
         now_s: float,
+        route: RouteTag | None = None,
     ) -> None:
-        """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there."""
+        """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there.
+        `route`: a weighted policy's tag for the pick; it counts for its group, and weights other than the
+        model's current ones start the model's counts anew ("the dispatch counts since the last weight
+        change", `RouteTally`)."""
         state = self._engines.get(engine_id)
         if state is None:
             raise KeyError(f"unknown engine {engine_id!r}")
+        if route is not None:
+            self._tally(route)
         estimate_s = None
         if state.anchor_engine_ts_s is not None:
             estimate_s = state.anchor_engine_ts_s + (now_s - state.anchor_received_s)
@@ -222,6 +242,18 @@ class ClusterState:
             self._sessions.move_to_end(session_id)
             self.prune_sessions(now_s)
         self._changed = True
+
+    def _tally(self, route: RouteTag) -> None:
+        current = self._routes.get(route.model)
+        weights = route.weights
+        if current is None or (current.weights is not weights and current.weights != weights):
+            counts = [0] * len(weights)
+        else:
+            counts, weights = list(current.counts), current.weights
+        counts[route.index] += 1
+        routes = dict(self._routes)  # models are few: only the touched one's tally is rebuilt
+        routes[route.model] = RouteTally(weights, tuple(counts))
+        self._routes = MappingProxyType(routes)
 
     def note_finish(self, engine_id: EngineId, request_id: str) -> None:
         """Forget a dispatched request (its oldest dispatch if the id was reused); unknown ids are ignored."""
@@ -338,6 +370,12 @@ class ClusterState:
                 if state.latencies:
                     next_stale_s = min(next_stale_s, state.latencies[0][0] + window_s)
             view = view_of(state, now_s)
+            last = state.last_view
+            if last is None or (last.ready is not view.ready or last.ejected is not view.ejected
+                                or last.combo != view.combo or last.model != view.model
+                                or last.profile != view.profile):
+                self._membership = next(_MEMBERSHIP_EPOCHS)
+            state.last_view = view
             if state.report is not None and not view.stale:
                 boundary_s = state.report_received_s + stale_after_s
                 if boundary_s < next_stale_s:
@@ -345,7 +383,8 @@ class ClusterState:
             if state.health.ejected_until_s is not None:
                 next_stale_s = min(next_stale_s, state.health.next_change_s(now_s))
             views.append(view)
-        snapshot = ClusterSnapshot(taken_at_s=now_s, engines=tuple(views))
+        snapshot = ClusterSnapshot(taken_at_s=now_s, engines=tuple(views), routes=self._routes,
+                                   membership=self._membership)
         self._cached = snapshot
         self._next_stale_s = next_stale_s
         self._changed = False

@@ -24,7 +24,7 @@ from types import TracebackType
 
 from gateway.cluster.health import FailureReason, OutlierParams
 from gateway.cluster.state import ClusterState
-from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport
+from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, RouteTag
 from gateway.engines.base import EngineClient
 from switchyard.clock import Clock
 
@@ -189,9 +189,11 @@ class ClusterStore:
         max_tokens: int,
         session_id: str,
         now_s: float,
+        route: RouteTag | None = None,
     ) -> None:
-        """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there."""
-        self._state.note_dispatch(engine_id, request_id, prompt_tokens, max_tokens, session_id, now_s)
+        """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there, and a
+        weighted policy's pick (`route`, see `ClusterState.note_dispatch`)."""
+        self._state.note_dispatch(engine_id, request_id, prompt_tokens, max_tokens, session_id, now_s, route)
 
     def note_finish(self, engine_id: EngineId, request_id: str) -> None:
         """Forget a dispatched request (its oldest dispatch if the id was reused); unknown ids are ignored."""

@@ -58,6 +58,7 @@ from gateway.domain import (
     Finished,
     MigrationTicket,
     RequestFeatures,
+    RouteTag,
 )
 from gateway.policies.base import Policy
 
@@ -83,6 +84,7 @@ class Dispatch:
     engine_id: EngineId
     features: RequestFeatures  # what the policy saw, for the ledger and for decision logs
     attempt: int  # 1 for the first engine, 2 for the first retry, ...
+    route: RouteTag | None = None  # a weighted policy's tag for the pick (`WeightedPolicy`), for the ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,7 @@ class DispatchLedger(Protocol):
         max_tokens: int,
         session_id: str,
         now_s: float,
+        route: RouteTag | None = None,
     ) -> None: ...
 
 
@@ -178,7 +181,8 @@ def record_dispatch(ledger: DispatchLedger, dispatch: Dispatch) -> None:
     """Apply a `Dispatch` effect's accounting (the one place its fields map onto `note_dispatch`)."""
     f = dispatch.features
     ledger.note_dispatch(
-        dispatch.engine_id, f.request_id, f.prompt_tokens, f.max_tokens, f.session_id, f.now_s
+        dispatch.engine_id, f.request_id, f.prompt_tokens, f.max_tokens, f.session_id, f.now_s,
+        route=dispatch.route,
     )
 
 
@@ -268,11 +272,16 @@ class ChoiceLife:
         if not self.tried and self.budget is not None:
             self.budget.on_start(moment.now_s)
         features = self._features(moment, frozenset(self.tried), follow=False)
-        engine_id = policy.pick(features, moment.snapshot)
+        route: RouteTag | None = None
+        choose = getattr(policy, "choose", None)  # a `WeightedPolicy` (isinstance on a Protocol costs ~9 µs)
+        if choose is not None:
+            engine_id, route = choose(features, moment.snapshot)
+        else:
+            engine_id = policy.pick(features, moment.snapshot)
         if engine_id is None:
             return self._give_up()
         self.tried.append(engine_id)
-        dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried))
+        dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried), route=route)
         self.current = dispatch
         self.decisions.append(dispatch)
         return dispatch

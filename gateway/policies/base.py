@@ -1,6 +1,7 @@
 """The routing seam: the `Policy` protocol every routing policy implements.
 
-Owns: the protocol and the shared eligibility helper.
+Owns: the protocols (`Policy`, and `WeightedPolicy` for policies that count their picks) and the shared
+eligibility helper.
 Must not (invariant I1, checked by tests/unit/test_import_rules.py): import asyncio, aiohttp, grpc, prometheus
 or time; read a clock; do I/O; record metrics; mutate anything. A policy is a pure function of
 (`RequestFeatures`, `ClusterSnapshot`); randomness and time come in through the features.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Protocol
 
-from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures, RouteTag
 
 
 class Policy(Protocol):
@@ -19,6 +20,21 @@ class Policy(Protocol):
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         """The engine to serve the request, or None when no engine can."""
         ...
+
+
+class WeightedPolicy(Protocol):
+    """A policy whose picks follow weights over groups of engines and depend on the picks counted so far
+    (`ClusterSnapshot.routes`): `choose` also returns the tag the ledger counts the pick under (None when
+    the pick was not a weighted one). The request's life calls `choose` instead of `pick` when a policy has it
+    and hands the tag to the ledger with the dispatch (`gateway.dispatch.life.record_dispatch`)."""
+
+    NAME: ClassVar[str]
+
+    def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None: ...
+
+    def choose(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot
+    ) -> tuple[EngineId | None, RouteTag | None]: ...
 
 
 def eligible(features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineView, ...]:

@@ -19,6 +19,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from gateway.policies.base import Policy
+from gateway.policies.goodput_rr import GoodputRRParams, GoodputRRPolicy
 from gateway.policies.latency_based import LatencyBasedParams, LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedParams, LeastLoadedPolicy
 from gateway.policies.params import PolicyParams
@@ -87,6 +88,7 @@ _FACTORIES: Mapping[str, _Factory] = MappingProxyType(
         StaticWeightedPolicy.NAME: _factory(
             StaticWeightedPolicy.NAME, StaticWeightedParams, StaticWeightedPolicy
         ),
+        GoodputRRPolicy.NAME: _factory(GoodputRRPolicy.NAME, GoodputRRParams, GoodputRRPolicy),
     }
 )
 

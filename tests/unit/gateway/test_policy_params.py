@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from gateway.domain import ClusterSnapshot, RequestFeatures
 from gateway.policies.base import Policy
+from gateway.policies.goodput_rr import GoodputRRParams, GoodputRRPolicy
 from gateway.policies.latency_based import LatencyBasedParams, LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedParams, LeastLoadedPolicy
 from gateway.policies.params import PolicyParams
@@ -40,6 +41,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("static_weighted", {"default_weight": "1"}, "default_weight: Input should be a valid number"),
     ("static_weighted", {"weights": {"a": -1}}, "weights.a: Input should be greater than or equal to 0"),
     ("static_weighted", {"default_weight": INF}, "default_weight: Input should be a finite number"),
+    ("goodput_rr", {"weights": "delivered"},
+     "weights: Input should be 'plan', 'measured', 'equal' or 'tokens'"),
+    ("goodput_rr", {"intra": "least"}, "intra: Input should be 'opportunistic' or 'rr'"),
+    ("goodput_rr", {"goodput": {"a": -2.0}}, "goodput.a: Input should be greater than or equal to 0"),
+    ("goodput_rr", {"slo_ttft_s": 0}, "slo_ttft_s: Input should be greater than 0"),
     ("prism", {"weight": {"load": 1}}, "weight: Extra inputs are not permitted"),
     ("prism", {"weights": {"speed": 1}}, "weights.speed: Extra inputs are not permitted"),
     ("prism", {"weights": {"latency": "1"}}, "weights.latency: Input should be a valid number"),
@@ -69,8 +75,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "session_affinity",
         {"fallback": "nope"},
-        "fallback: unknown policy 'nope'; known: latency_based, least_loaded, prism, round_robin, "
-        "static_weighted",
+        "fallback: unknown policy 'nope'; known: goodput_rr, latency_based, least_loaded, prism, "
+        "round_robin, static_weighted",
     ),
     ("session_affinity", {"fallback_params": "x"}, "fallback_params: Input should be a valid dictionary"),
     (
@@ -123,6 +129,8 @@ DEFAULTS: list[tuple[str, type[PolicyParams], dict[str, Any]]] = [
     ("least_loaded", LeastLoadedParams, {"measure": "tokens"}),
     ("latency_based", LatencyBasedParams, {"metric": "e2e"}),
     ("static_weighted", StaticWeightedParams, {"weights": {}, "default_weight": 1.0}),
+    ("goodput_rr", GoodputRRParams,
+     {"weights": "plan", "goodput": {}, "intra": "opportunistic", "tolerance": 0.1, "slo_ttft_s": None}),
     (
         "prism",
         PrismParams,
@@ -178,6 +186,11 @@ VALID: list[tuple[str, dict[str, Any], Policy]] = [
         "static_weighted",
         {"weights": {"a": 3, "b": 1.5}, "default_weight": 0},
         StaticWeightedPolicy(StaticWeightedParams(weights={"a": 3.0, "b": 1.5}, default_weight=0.0)),
+    ),
+    (
+        "goodput_rr",
+        {"weights": "measured", "goodput": {"a": 2}, "intra": "rr", "slo_ttft_s": 1},
+        GoodputRRPolicy(GoodputRRParams(weights="measured", goodput={"a": 2.0}, intra="rr", slo_ttft_s=1.0)),
     ),
     (
         "prism",

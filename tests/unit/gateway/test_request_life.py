@@ -29,7 +29,7 @@ from gateway.dispatch.life import (
 )
 from gateway.dispatch.policy_set import PolicySet
 from gateway.dispatch.retry import RetryBudget, RetryParams
-from gateway.domain import ChatTurn, EngineEvent, EngineId, EngineRequest, Finished
+from gateway.domain import ChatTurn, EngineEvent, EngineId, EngineRequest, Finished, RouteTag
 from gateway.observability.metrics import GatewayMetrics
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.policies.round_robin import RoundRobinPolicy
@@ -56,8 +56,8 @@ class Ledger:
         self.calls: list[tuple[object, ...]] = []
 
     def note_dispatch(self, engine_id: EngineId, request_id: str, prompt_tokens: int, max_tokens: int,
-                      session_id: str, now_s: float) -> None:
-        self.calls.append((engine_id, request_id, prompt_tokens, max_tokens, session_id, now_s))
+                      session_id: str, now_s: float, route: RouteTag | None = None) -> None:
+        self.calls.append((engine_id, request_id, prompt_tokens, max_tokens, session_id, now_s, route))
 
 
 def test_route_builds_the_features_and_notes_the_dispatch() -> None:
@@ -72,7 +72,7 @@ def test_route_builds_the_features_and_notes_the_dispatch() -> None:
         "s", B, 4.0, 0.5, frozenset())
     ledger = Ledger()
     record_dispatch(ledger, decision)
-    assert ledger.calls == [(B, "r1", 10, 20, "s", 10.0)]
+    assert ledger.calls == [(B, "r1", 10, 20, "s", 10.0, None)]
 
 
 def test_an_unavailable_engine_is_retried_elsewhere_then_the_life_gives_up() -> None:
