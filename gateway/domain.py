@@ -163,7 +163,7 @@ class ClusterSnapshot:
     taken_at_s: float
     engines: tuple[EngineView, ...]
     routes: Mapping[str, RouteTally] = field(default_factory=lambda: _NO_ROUTES)
-    membership: int = -1
+    membership: int = field(default=-1, compare=False)  # a memo key, not part of the value
 
     def get(self, engine_id: EngineId) -> EngineView | None:
         for e in self.engines:
