@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.planning.cost_model import CostModelError, gpu_efficiency, with_prices
+from gateway.planning.plan_file import PLAN_SCHEMA
 from switchyard.hardware import GPUS, MODELS, GpuSpec
 
 
@@ -86,8 +87,6 @@ def gpus(argv: Sequence[str], prog: str = "switchyard gpus") -> int:
               f"{_si(float(str(r['gb_per_usd']))):>8}  {r['recommended']}")
     return 0
 
-
-PLAN_SCHEMA = "switchyard.plan/1"
 
 
 def parse_pairs(text: str, flag: str) -> dict[str, str]:
@@ -271,7 +270,7 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         "fallback": fallback, "candidates": len(cands), "combos": combos,
         "total_usd_per_h": summary.total_usd_per_h, "expected_goodput_rps": summary.goodput_rps,
         "tokens_per_usd": summary.tokens_per_usd, "gpus_used": dict(summary.gpus),
-        "solver_ms": allocation.solver_ms,
+        "solver_ms": allocation.solver_ms, "max_num_seqs": args.max_num_seqs, "goodput_table": table,
     }
     print(f"{shape.name}, {workload_label}: {workload.input_tokens:.0f} in / {workload.output_tokens:.0f} "
           f"out; SLO TTFT {slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms; objective {args.objective}; "
@@ -301,30 +300,21 @@ def autoscale_timeline(cands: Sequence[Any], inventory: dict[str, int], objectiv
                        step_s: float) -> dict[str, Any]:
     """Algorithm 1 over the trace's QPS (arrivals per `step_s`), starting from the plan: its actions, the
     capacity and $/h at each sample, and what the fleet cost."""
-    from gateway.planning.autoscaler import Autoscaler, Blocked, ScaleIn, ScaleOut  # noqa: PLC0415
+    from gateway.planning.autoscaler import Autoscaler, QpsMeter, action_row  # noqa: PLC0415
     from gateway.planning.ilp import PulpCbcSolver  # noqa: PLC0415
 
     scaler = Autoscaler(cands, inventory, PulpCbcSolver(), initial, objective)  # type: ignore[arg-type]
     end = arrivals[-1] if arrivals else 0.0
-    counts = [0] * (int(end // step_s) + 1)
+    meter = QpsMeter(step_s)
+    samples_in: list[tuple[float, float]] = []
     for t in arrivals:
-        counts[int(t // step_s)] += 1
+        samples_in += meter.arrive(t)
+    samples_in += meter.until((int(end // step_s) + 1) * step_s)  # through the bin of the last arrival
     actions: list[dict[str, Any]] = []
     samples: list[list[float]] = []
     usd = 0.0
-    for i, n in enumerate(counts):
-        now = (i + 1) * step_s
-        qps = n / step_s
-        for action in scaler.observe(now, qps):
-            row: dict[str, Any] = {"kind": type(action).__name__, "at_s": action.at_s,
-                                   "reason": action.reason}
-            if isinstance(action, ScaleOut):
-                row |= {"combos": dict(action.combos), "serving_at_s": action.serving_at_s}
-            elif isinstance(action, ScaleIn):
-                row |= {"combos": dict(action.combos), "gone_at_s": action.gone_at_s}
-            elif isinstance(action, Blocked):
-                row |= {"deficit_rps": action.deficit_rps}
-            actions.append(row)
+    for now, qps in samples_in:
+        actions += [action_row(action) for action in scaler.observe(now, qps)]
         usd_h = scaler.usd_per_hour(now)
         usd += usd_h * step_s / 3600.0
         samples.append([now, qps, scaler.capacity_rps(), usd_h])

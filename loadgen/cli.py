@@ -66,7 +66,7 @@ from loadgen.paths import DataDirNotFoundError, resolve_data_dir
 from loadgen.results import write_results
 from loadgen.simulate import DECIDER_ASSIGNMENTS, EngineSpec, SimOptions, parse_engines, simulate
 from loadgen.simulate.balance import balance_figures, format_balance_table
-from loadgen.simulate.spec import PREDICTOR_BINS, RESCHEDULE_ARMS, RescheduleArm
+from loadgen.simulate.spec import PREDICTOR_BINS, RESCHEDULE_ARMS, RescheduleArm, Scaling, SimResult
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -187,6 +187,15 @@ def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
                    help="how requests reach workers: random (a connection per request, a seeded uniform "
                         "draw) or session (a keep-alive connection per session: a hash of the session id)")
     _star_flags(p.add_argument_group("STAR rescheduling (paper 003; docs/star.md)"), single_policy)
+    g = p.add_argument_group("CAUCHY fleets (paper 004; docs/cauchy.md)")
+    g.add_argument("--plan", metavar="PATH",
+                   help="the fleet is this `switchyard plan --json` plan's combos (instead of --engines); "
+                        "the summary gains the bill (cost_usd, tokens_per_usd)")
+    g.add_argument("--autoscale", action="store_true",
+                   help="with --plan: run the combo autoscaler (Algorithm 1) on the arrivals' QPS; engines "
+                        "join after provisioning (90 s) and leave by draining")
+    g.add_argument("--autoscale-step-s", type=_positive_float, default=10.0, metavar="S",
+                   help="seconds per QPS sample for --autoscale (10, as switchyard plan --autoscale)")
 
 
 def _star_flags(g: argparse._ArgumentGroup, single_arm: bool) -> None:
@@ -423,20 +432,65 @@ def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> Non
         raise UsageError(f"--model {args.model!r} is not the simulated engines' model {served!r}")
 
 
+def _scaling(args: argparse.Namespace) -> Scaling | None:
+    """The CAUCHY fleet of --plan [--autoscale], or None."""
+    if args.plan is None:
+        if args.autoscale:
+            raise UsageError("--autoscale needs --plan PATH (a `switchyard plan --json` file)")
+        return None
+    from gateway.planning.plan_file import parse_plan  # noqa: PLC0415
+
+    try:
+        plan = parse_plan(json.loads(Path(args.plan).read_text()))
+    except OSError as exc:
+        raise UsageError(f"--plan {args.plan}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise UsageError(f"--plan {args.plan}: {_one_line(exc)}") from None
+    try:
+        return Scaling(plan, autoscale=args.autoscale, step_s=args.autoscale_step_s)
+    except ValueError as exc:
+        raise UsageError(f"--plan {args.plan}: {exc}") from None
+
+
+def _fleet(args: argparse.Namespace, scaling: Scaling | None) -> list[EngineSpec]:
+    """The engines the run starts with: the plan's, else --engines."""
+    if scaling is None:
+        return parse_engines(args.engines)
+    from loadgen.simulate.scaling import plan_engines  # noqa: PLC0415
+
+    try:
+        return plan_engines(scaling)
+    except ValueError as exc:
+        raise UsageError(f"--plan {args.plan}: {exc}") from None
+
+
+def _print_bill(result: SimResult) -> None:
+    per_token = "-" if result.tokens_per_usd is None else f"{result.tokens_per_usd / 1e6:.2f}M"
+    print(f"{'Fleet cost (USD); tokens per USD:':<36}{result.cost_usd:.4f}; {per_token}")
+    for action in result.fleet_actions:
+        combos = action.get("combos", "")
+        print(f"  {action['at_s']:8.1f} s  {action['kind']:<8} {combos}  {action['reason']}")
+
+
 def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:
     from gateway.policies.registry import make_policy  # noqa: PLC0415
 
-    engines = parse_engines(args.engines)
+    scaling = _scaling(args)
+    engines = _fleet(args, scaling)
     _check_model(args, engines)
     if args.reschedule is not None and len(args.reschedule) > 1:
         raise UsageError("simulate runs one --reschedule arm; compare runs several")
     arm: RescheduleArm = args.reschedule[0] if args.reschedule else "none"
     options = _sim_options(args, args.policy, engines, args.deciders, arm)
     make_policy(options.policy, options.policy_params)  # unknown policy or parameter: a usage error, up front
-    result = simulate(schedule(requests, spec), engines, options)
+    result = simulate(schedule(requests, spec), [] if scaling is not None else engines, options,
+                      scaling=scaling)
     summary = summarize(result.outcomes, max(result.duration_s, 1e-9), _slo(args))
-    _print_summary(f"simulated: {args.policy} on {args.engines}"
+    fleet_label = f"plan {args.plan}" if scaling is not None else args.engines
+    _print_summary(f"simulated: {args.policy} on {fleet_label}"
+                   + (", autoscaled" if args.autoscale else "")
                    + (f", reschedule {arm}" if args.reschedule else ""), summary)
+    _print_bill(result)
     if result.balance is not None:
         _print_balance(result.balance)
     if options.deciders > 1:
@@ -447,15 +501,17 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
     extra = {"per_engine": result.per_engine, "per_decider": result.per_decider, "sim_wall_s": result.wall_s,
              "events_processed": result.events_processed,
              "simulated_s_per_wall_s": result.simulated_s_per_wall_s, "timeline": result.timeline,
-             "balance": result.balance}
-    config = {**_base_config(args, spec), "engines": args.engines, "policy": args.policy,
+             "balance": result.balance, "cost_usd": result.cost_usd, "tokens_per_usd": result.tokens_per_usd,
+             "fleet_actions": result.fleet_actions}
+    config = {**_base_config(args, spec), "engines": args.engines if scaling is None else None,
+              "plan": args.plan, "autoscale": args.autoscale, "policy": args.policy,
               "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,
               "report_delay_ms": args.report_delay_ms, "lens": args.lens,
               "lens_state": not args.no_lens_state, "deciders": args.deciders,
               "decider_assignment": args.decider_assignment,
               "reschedule": arm if args.reschedule else None, **_star_config(args)}
     _write(args, {**summary.to_dict(), **extra}, config, result.outcomes, result.timeline,
-           f"simulated {args.dataset}: {args.policy} on {args.engines}")
+           f"simulated {args.dataset}: {args.policy} on {fleet_label}")
     return 0 if summary.completed else 1
 
 
@@ -464,8 +520,12 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
 
     policies = ([arm[1] for arm in ABLATION_ARMS[::2]] if args.ablation
                 else [p.strip() for p in args.policies.split(",") if p.strip()])
-    mixes = [m for m in (args.engines_list or args.engines).split(";") if m.strip()]
-    fleets = [parse_engines(m) for m in mixes]
+    scaling = _scaling(args)
+    if scaling is not None and args.engines_list:
+        raise UsageError("--plan sets the fleet: drop --engines-list")
+    mixes = ([f"plan {args.plan}"] if scaling is not None
+             else [m for m in (args.engines_list or args.engines).split(";") if m.strip()])
+    fleets = [_fleet(args, scaling)] if scaling is not None else [parse_engines(m) for m in mixes]
     for fleet in fleets:
         _check_model(args, fleet)
     params = _policy_params(args.policy_param)
@@ -480,7 +540,8 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
     variants = with_deciders(ablation_variants(fleets, params) if args.ablation
                              else build_variants(policies, fleets, params), args.deciders)
     seeds = args.seeds
-    runs = _arm_runs(args, requests, spec, variants, _sim_options(args, policies[0], fleets[0]), rates, seeds)
+    runs = _arm_runs(args, requests, spec, variants, _sim_options(args, policies[0], fleets[0]), rates, seeds,
+                     scaling)
     means = mean_over_seeds(runs) if seeds is not None and len(seeds) > 1 else None
     shown = runs if means is None else [{**run, "label": f"{run['label']} s={run['seed']}"} for run in runs]
     print(format_table(shown))
@@ -517,7 +578,7 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
 
 def _arm_runs(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec,
               variants: Sequence[Variant], options: SimOptions, rates: list[float] | None,
-              seeds: Sequence[int] | None) -> list[dict[str, Any]]:
+              seeds: Sequence[int] | None, scaling: Scaling | None = None) -> list[dict[str, Any]]:
     """`run_comparison` once per `--reschedule` arm (one pass without it), each run recording its arm
     (`reschedule`, None without the flag) and its load-balance figures (`balance`); labels gain the arm when
     there are several. Runs in (rate, seed) order, then arm, then variant."""
@@ -527,6 +588,7 @@ def _arm_runs(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
     for arm, opts in zip(arms, per_arm, strict=True):
         labelled = [replace(v, label=f"{v.label} {arm}") for v in variants] if len(arms) > 1 else variants
         for run in run_comparison(requests, spec, labelled, opts, rates=rates, seeds=seeds, slo=_slo(args),
+                                  scaling=scaling,
                                   on_run=lambda run: print(f"done: {run['label']} at rate {run['rate']} seed "
                                                            f"{run['seed']}", file=sys.stderr)):
             run["reschedule"] = arm

@@ -21,7 +21,7 @@ from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.datasets import Request
 from loadgen.metrics import Slo, summarize
 from loadgen.results import to_jsonable
-from loadgen.simulate import EngineSpec, SimOptions, simulate
+from loadgen.simulate import EngineSpec, Scaling, SimOptions, simulate
 
 COMPARE_SCHEMA = "switchyard.loadgen.compare/1"
 
@@ -147,6 +147,7 @@ def run_comparison(
     seeds: Sequence[int] | None = None,
     slo: Slo | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
+    scaling: Scaling | None = None,
 ) -> list[dict[str, Any]]:
     """One simulation per (rate, seed, variant); each returns {label, policy, policy_params, engines, rate,
     seed, lens_planning, deciders, decider_assignment, summary (vLLM-style flat dict), per_engine,
@@ -154,7 +155,9 @@ def run_comparison(
     simulated_s_per_wall_s}. Every variant at a (rate, seed) replays the identical schedule; ``on_run`` sees
     each run as it finishes. ``seeds`` (default: the arrival spec's seed and the options' seed, which should
     agree) replaces both seeds per replicate: the arrival draws, the engines' sampling and the gateway's
-    random draws and decider assignment; the request list stays the one given."""
+    random draws and decider assignment; the request list stays the one given. ``scaling``: every variant
+    runs on that CAUCHY fleet (its engines are ignored); the summaries gain cost_usd and tokens_per_usd
+    (every run has them: a fixed fleet is billed too) and the runs the autoscaler's fleet_actions."""
     if rates is not None and arrival.timestamps:
         raise ValueError("--rates sweeps the request rate and cannot be combined with --timestamps")
     sweep: list[float | None] = list(rates) if rates else [None]
@@ -180,8 +183,9 @@ def run_comparison(
                 opts = replace(opts, lens_planning=variant.lens_planning)
             if variant.deciders is not None:
                 opts = replace(opts, deciders=variant.deciders)
-            result = simulate(plan, variant.engines, opts)
+            result = simulate(plan, [] if scaling is not None else variant.engines, opts, scaling=scaling)
             summary = summarize(result.outcomes, max(result.duration_s, 1e-9), slo).to_dict()
+            summary.update(cost_usd=result.cost_usd, tokens_per_usd=result.tokens_per_usd)
             run = {
                 "label": variant.label, "policy": variant.policy,
                 "policy_params": dict(variant.policy_params),
@@ -193,6 +197,7 @@ def run_comparison(
                 "sim_wall_s": result.wall_s,
                 "simulated_s_per_wall_s": result.simulated_s_per_wall_s,
                 "events_processed": result.events_processed,
+                "fleet_actions": result.fleet_actions,
             }
             runs.append(run)
             if on_run is not None:

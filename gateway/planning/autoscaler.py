@@ -44,6 +44,43 @@ class AutoscalerParams:
             raise ValueError("provisioning_s and grace_s must be >= 0")
 
 
+class QpsMeter:
+    """Arrivals in, the autoscaler's QPS samples out: one sample per `step_s` bin [k step, (k+1) step) of
+    time since `start_s`, taken at the bin's end as (end s, arrivals in the bin / step_s). The offline
+    `switchyard plan --autoscale` and the simulator's closed loop both sample through it, so the same
+    arrivals give the autoscaler the same samples."""
+
+    __slots__ = ("step_s", "start_s", "_bin", "_count")
+
+    def __init__(self, step_s: float, start_s: float = 0.0) -> None:
+        if not step_s > 0:
+            raise ValueError(f"step_s must be > 0, got {step_s}")
+        self.step_s = step_s
+        self.start_s = start_s
+        self._bin = 0  # the open bin
+        self._count = 0  # arrivals in it
+
+    @property
+    def next_sample_s(self) -> float:
+        """When the open bin closes."""
+        return self.start_s + (self._bin + 1) * self.step_s
+
+    def arrive(self, at_s: float) -> list[tuple[float, float]]:
+        """Count one arrival at `at_s` (non-decreasing); returns the samples of the bins it closed."""
+        samples = self.until(at_s)
+        self._count += 1
+        return samples
+
+    def until(self, now_s: float) -> list[tuple[float, float]]:
+        """The samples of every bin that closed by `now_s` (a bin [a, b) closes at b)."""
+        samples: list[tuple[float, float]] = []
+        while now_s >= self.next_sample_s:
+            samples.append((self.next_sample_s - self.start_s, self._count / self.step_s))
+            self._bin += 1
+            self._count = 0
+        return samples
+
+
 @dataclass(frozen=True, slots=True)
 class ScaleOut:
     at_s: float
@@ -216,3 +253,15 @@ class Autoscaler:
             self._leaving.append(_Leaving(Counter(remove), gone))
             actions.append(ScaleIn(serving, dict(remove), gone, why + " (after the new combos serve)"))
         return actions
+
+
+def action_row(action: Action) -> dict[str, object]:
+    """An action as a JSON row (`switchyard plan --autoscale`'s and the simulator's timelines)."""
+    row: dict[str, object] = {"kind": type(action).__name__, "at_s": action.at_s, "reason": action.reason}
+    if isinstance(action, ScaleOut):
+        row |= {"combos": dict(action.combos), "serving_at_s": action.serving_at_s}
+    elif isinstance(action, ScaleIn):
+        row |= {"combos": dict(action.combos), "gone_at_s": action.gone_at_s}
+    else:
+        row |= {"deficit_rps": action.deficit_rps}
+    return row

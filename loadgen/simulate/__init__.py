@@ -64,9 +64,10 @@ Semantics
 
 from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment
 from loadgen.simulate.runner import simulate
-from loadgen.simulate.spec import EngineSpec, SimOptions, SimResult, parse_engines
+from loadgen.simulate.spec import EngineSpec, Scaling, SimOptions, SimResult, parse_engines
 
 __all__ = [
+    "Scaling",
     "DECIDER_ASSIGNMENTS",
     "DeciderAssignment",
     "EngineSpec",

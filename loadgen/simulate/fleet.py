@@ -18,7 +18,7 @@ from typing import Any
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.lens_adapter import SimLens
-from engine_agent.sim.profiles import get_profile
+from engine_agent.sim.profiles import TENSOR_PARALLEL_DEGREES, get_profile, known_profiles, profile_name
 from gateway.domain import EngineId
 from loadgen.simulate.predictions import PredictionRounds, remaining_lengths
 from loadgen.simulate.reports import ReportFeed, describe_engine
@@ -54,10 +54,11 @@ class SimNode:
 
     __slots__ = ("engine_id", "profile_name", "model", "engine", "feed", "busy", "done_s", "result",
                  "requests", "output_tokens", "busy_s", "empty_steps", "rounds", "in_flight",
-                 "min_free_blocks", "migrations_out", "migrations_in")
+                 "min_free_blocks", "migrations_out", "migrations_in", "combo", "price_usd_h",
+                 "billed_from_s", "left_s", "leave_after_s", "joined")
 
     def __init__(self, engine_id: str, profile_name: str, options: SimOptions,
-                 lens_planning: bool | None = None) -> None:
+                 lens_planning: bool | None = None, combo: str = "", billed_from_s: float = 0.0) -> None:
         profile = get_profile(profile_name)
         self.engine_id = EngineId(engine_id)
         self.profile_name = profile_name
@@ -69,7 +70,17 @@ class SimNode:
                 if planning or state else None)
         self.engine = SimEngine(profile, seed=options.seed, engine_id=engine_id, lens=lens)
         self.feed = ReportFeed(self.engine, describe_engine(engine_id, profile),
-                               interval_s=options.state_interval_s, delay_s=options.report_delay_s)
+                               interval_s=options.state_interval_s, delay_s=options.report_delay_s,
+                               combo=combo)
+        self.combo = combo
+        # Billing (CAUCHY): the engine's GPUs cost `price_usd_h` from `billed_from_s` (provisioning starts)
+        # until `left_s` (it left the fleet; None: still in it). A draining engine leaves once
+        # `leave_after_s` has passed and nothing is in flight.
+        self.price_usd_h = profile.hourly_price_usd
+        self.billed_from_s = billed_from_s
+        self.left_s: float | None = None
+        self.leave_after_s = math.inf
+        self.joined = False  # connected to the gateway's cluster states (the runner sets it)
         self.busy = False  # an iteration is in flight
         self.done_s = math.inf  # when the iteration in flight completes
         self.result: StepResult | None = None  # the iteration in flight
@@ -98,6 +109,8 @@ class SimNode:
         out: dict[str, Any] = {"profile": self.profile_name, "requests": self.requests,
                                "output_tokens": self.output_tokens, "busy_s": self.busy_s,
                                "iterations": self.iterations()}
+        if self.combo:
+            out["combo"] = self.combo
         if balance:
             stats = self.engine.stats(0.0)
             total = stats.kv_blocks_total
@@ -107,17 +120,42 @@ class SimNode:
         return out
 
 
-def build_fleet(engines: Sequence[EngineSpec], options: SimOptions) -> list[SimNode]:
-    """The engines of `engines`, in spec order; ValueError when empty."""
+def combo_profiles(combo_id: str, model: str) -> list[str]:
+    """The sim profiles that stand for one copy of a combo serving `model`: each side of n GPUs of type G
+    becomes n / tp engines of G at the smallest tensor-parallel degree tp that holds the model and divides
+    n (the planner merges a side into one TP-n instance; the simulator has profiles for the fitting degree
+    and the next only, so it deploys the same GPUs as data-parallel replicas: same GPUs, same price).
+    A disaggregated combo's engines all serve whole requests (the prefill-to-decode handoff is not built).
+    ValueError when no profile fits."""
+    profiles: list[str] = []
+    for side in combo_id.split("+"):
+        count_text, sep, gpu = side.partition("x")
+        if not sep or not count_text.isdigit() or int(count_text) < 1 or not gpu:
+            raise ValueError(f"bad combo id {combo_id!r}: expected e.g. 1xh800+2xh20 or 2xa800")
+        count = int(count_text)
+        for tp in TENSOR_PARALLEL_DEGREES:
+            name = profile_name(gpu, model, tp)
+            if count % tp == 0 and name in known_profiles():
+                profiles += [name] * (count // tp)
+                break
+        else:
+            raise ValueError(f"combo {combo_id!r}: no sim profile of {gpu} for {model} fits {count} GPU(s)")
+    return profiles
+
+
+def build_fleet(engines: Sequence[EngineSpec], options: SimOptions,
+                counts: dict[str, int] | None = None) -> list[SimNode]:
+    """The engines of `engines`, in spec order; ValueError when empty. `counts`: engines numbered so far per
+    profile (updated), for engines that join later."""
     if not engines:
         raise ValueError("a simulation needs at least one engine")
-    counts: dict[str, int] = {}
+    counts = {} if counts is None else counts
     nodes = []
     for spec in engines:
         for _ in range(spec.count):
             index = counts.get(spec.profile, 0)
             counts[spec.profile] = index + 1
-            nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options, spec.lens))
+            nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options, spec.lens, spec.combo))
     if options.reschedule != "none":
         _attach_rounds(nodes, options)
     return nodes

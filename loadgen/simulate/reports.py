@@ -28,6 +28,7 @@ been delivered.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import replace
 
@@ -112,13 +113,18 @@ class ReportFeed:
         "_stats",
         "_stats_version",
         "_translated",
+        "combo",
+        "drain_s",
     )
 
     def __init__(
-        self, engine: SimEngine, identity: EngineDescription, *, interval_s: float, delay_s: float
+        self, engine: SimEngine, identity: EngineDescription, *, interval_s: float, delay_s: float,
+        combo: str = "",
     ) -> None:
         self._engine = engine
         self.identity = identity
+        self.combo = combo  # the GPU combo label the engine reports (CAUCHY)
+        self.drain_s = math.inf  # the agent drains from then: its reports say so
         self._interval_s = interval_s
         self._delay_s = delay_s
         self._seq = 0
@@ -181,6 +187,12 @@ class ReportFeed:
         if self.gate.significant(stats):
             self._send(now_s, stats)
 
+    def drain(self, now_s: float) -> None:
+        """The agent starts draining at `now_s`: it says so at once."""
+        self.flush(now_s)
+        self.drain_s = now_s
+        self._send(now_s, self._read())
+
     def push_round(self, now_s: float, star: StarRound) -> None:
         """A STAR round was taken at `now_s`: send it at once with the engine's state."""
         self.flush(now_s)
@@ -221,10 +233,13 @@ class ReportFeed:
         """`report_from_stats` for one send. Consecutive sends of the same figures without a round differ only
         in sequence number and timestamp, so their wire translation runs once per distinct reading and is
         re-stamped; a send with a round is translated whole."""
+        draining = sent_s >= self.drain_s
         if round_ is not None:
-            return report_from_stats(stats, self.identity, seq, timestamp_s=sent_s, star=round_)
+            return report_from_stats(stats, self.identity, seq, timestamp_s=sent_s, star=round_,
+                                     combo=self.combo, draining=draining)
         cached = self._translated
-        if cached is None or cached[0] is not stats:
-            cached = (stats, report_from_stats(stats, self.identity, seq))
+        if cached is None or cached[0] is not stats or cached[1].draining != draining:
+            translated = report_from_stats(stats, self.identity, seq, combo=self.combo, draining=draining)
+            cached = (stats, translated)
             self._translated = cached
         return replace(cached[1], seq=seq, engine_timestamp_s=sent_s)

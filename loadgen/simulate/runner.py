@@ -35,7 +35,8 @@ from loadgen.simulate.balance import balance_figures, exec_time_variance_ms2
 from loadgen.simulate.deciders import Decider, DeciderAssigner, build_deciders
 from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet
 from loadgen.simulate.migrations import Migrations, MoveStats
-from loadgen.simulate.spec import EngineSpec, SimOptions, SimResult
+from loadgen.simulate.scaling import FleetChanges, bill, plan_engines, usd_per_hour
+from loadgen.simulate.spec import EngineSpec, Scaling, SimOptions, SimResult
 from switchyard.clock import Clock, MonotonicClock
 
 IDLE_RETRY_S = 1e-3  # an iteration that scheduled nothing is retried this much later, as the sim backend does
@@ -68,7 +69,8 @@ class _Run:
     def __init__(self, schedule: Sequence[tuple[float, Request]], nodes: list[SimNode], options: SimOptions,
                  progress: Callable[[float], None] | None,
                  on_decision: Callable[[Decision], None] | None = None, *,
-                 wall_clock: Clock | None = None) -> None:
+                 wall_clock: Clock | None = None, scaling: Scaling | None = None,
+                 profile_counts: dict[str, int] | None = None) -> None:
         self.schedule = sorted(schedule, key=lambda item: item[0])  # stable: ties keep their order
         ids = [r.request_id for _, r in self.schedule]
         if len(set(ids)) != len(ids):
@@ -102,17 +104,41 @@ class _Run:
                        start_step=self._start_step, left=self.left, abandon=self._abandon,
                        wall_clock=wall_clock or MonotonicClock())
             if options.reschedule != "none" else None)
+        last_arrival_s = self.schedule[-1][0] if self.schedule else self.t0
+        self.fleet = (FleetChanges(scaling, options, nodes, self.t0, last_arrival_s, join=self._join,
+                                   leave=self._leave,
+                                   counts=profile_counts if profile_counts is not None else {})
+                      if scaling is not None else None)
+        for node in nodes:
+            node.billed_from_s = self.t0
 
     # ---- setup and the loop ----------------------------------------------------------------------------
 
     def connect(self) -> None:
         connect_s = self.t0 - self.options.report_delay_s - CONNECT_LEAD_S
         for node in self.nodes:
-            for state in self.states:  # every worker opens its own watch stream
-                state.add_engine(node.engine_id, connect_s)
-                state.on_describe(node.engine_id, node.feed.identity)
-                state.on_connect(node.engine_id)
-            node.feed.connect(connect_s)
+            self._connect(node, connect_s)
+
+    def _connect(self, node: SimNode, now_s: float) -> None:
+        for state in self.states:  # every worker opens its own watch stream
+            state.add_engine(node.engine_id, now_s)
+            state.on_describe(node.engine_id, node.feed.identity)
+            state.on_connect(node.engine_id)
+        node.feed.connect(now_s)
+        node.joined = True
+
+    def _join(self, node: SimNode, now_s: float) -> None:
+        """A provisioned engine joins the fleet at `now_s` (CAUCHY's scale-out)."""
+        self._sync(now_s)
+        self.nodes.append(node)
+        self.by_id[node.engine_id] = node
+        self._connect(node, now_s)
+
+    def _leave(self, node: SimNode, now_s: float) -> None:
+        """A drained engine with nothing in flight leaves at `now_s`: its bill stops."""
+        node.left_s = now_s
+        for state in self.states:
+            state.remove_engine(node.engine_id)
 
     def run(self) -> None:
         """Sync points in time order: arrivals, follows of migrated requests, reschedule ticks and timeline
@@ -132,15 +158,26 @@ class _Run:
         tick_s = self.options.reschedule_interval_s
         ticks = 1
         next_tick_s = self.t0 + tick_s if migrations is not None else inf
+        fleet = self.fleet
         while i < n or any(node.busy for node in nodes) or (
-                migrations is not None and migrations.next_follow_s < inf):
+                migrations is not None and migrations.next_follow_s < inf) or (
+                fleet is not None and fleet.next_s <= fleet.horizon_s):
             arrival_s = schedule[i][0] if i < n else inf
             follow_s = migrations.next_follow_s if migrations is not None else inf
-            now_s = min(arrival_s, follow_s, next_tick_s)
+            fleet_s = fleet.next_s if fleet is not None else inf
+            now_s = min(arrival_s, follow_s, next_tick_s, fleet_s)
             if now_s <= next_sample_s:
                 if arrival_s == now_s:
+                    if fleet is not None:
+                        fleet.run_due(now_s)
+                        fleet.on_arrival(now_s)
                     self._on_arrival(i, arrival_s, schedule[i][1])
                     i += 1
+                    continue
+                if fleet_s == now_s:
+                    assert fleet is not None
+                    self._sync(now_s)
+                    fleet.run_due(now_s)
                     continue
                 assert migrations is not None
                 self._sync(now_s)
@@ -168,6 +205,8 @@ class _Run:
         for node in self.nodes:
             if node.done_s <= now_s:
                 advance(node, now_s)
+            if node.left_s is not None:
+                continue
             got = node.feed.receive(now_s)
             if got is not None:
                 for receiver in states:  # every worker receives every report
@@ -286,6 +325,8 @@ class _Run:
             if not engine.has_work():
                 node.busy = False
                 result = None
+                if node.leave_after_s <= done_s and not node.in_flight and node.left_s is None:
+                    self._leave(node, done_s)  # drained, and its grace is over
                 done_s = math.inf
                 break
             if done_s >= feed.next_due_s:
@@ -372,6 +413,9 @@ class _Run:
                 iteration_s.append(0.0)
         row = {"t_s": at_s - self.t0, "in_flight": len(self.info), "running": running, "waiting": waiting,
                "throughput_tokens_per_s": self.produced / period_s}
+        billed = self.fleet.billed if self.fleet is not None else self.nodes
+        row.update(engines=sum(1 for n in billed if n.billed_from_s <= at_s and n.left_s is None),
+                   usd_per_h=usd_per_hour(billed, at_s))
         if self.balance:
             row.update(exec_time_var_ms2=exec_time_variance_ms2(iteration_s), max_kv_used_ratio=kv_used)
         self.timeline.append(row)
@@ -388,18 +432,28 @@ def simulate(
     progress: Callable[[float], None] | None = None,
     wall_clock: Clock | None = None,
     on_decision: Callable[[Decision], None] | None = None,
+    scaling: Scaling | None = None,
 ) -> SimResult:
     """Replay `schedule` ((arrival s, request) pairs, as `loadgen.arrivals.schedule` gives) on `engines`.
 
     `progress` is called with the fraction of arrivals dispatched so far at every timeline sample, and with
     1.0 at the end. `wall_clock` (default: monotonic) only measures `SimResult.wall_s`. `on_decision` sees
-    every routing decision (the live dispatcher's hook of the same name). Semantics: see the
-    `loadgen.simulate` package docstring.
+    every routing decision (the live dispatcher's hook of the same name). `scaling`: the fleet is the plan's
+    (`engines` must be empty) and changes as `Scaling` says. Semantics: see the `loadgen.simulate` package
+    docstring.
     """
     clock = wall_clock or MonotonicClock()
     started_s = clock.now()
-    nodes = build_fleet(engines, options)
-    run = _Run(schedule, nodes, options, progress, on_decision, wall_clock=clock)
+    counts: dict[str, int] = {}
+    if scaling is not None:
+        if engines:
+            raise ValueError("give engines or a plan (scaling), not both")
+        if options.reschedule != "none":
+            raise ValueError("a changing fleet (scaling) and STAR rescheduling cannot be simulated together")
+        engines = plan_engines(scaling)
+    nodes = build_fleet(engines, options, counts)
+    run = _Run(schedule, nodes, options, progress, on_decision, wall_clock=clock, scaling=scaling,
+               profile_counts=counts)
     run.connect()
     run.run()
     outcomes = [o for o in run.outcomes if o is not None]
@@ -407,7 +461,10 @@ def simulate(
         raise RuntimeError("the simulation ended with requests still in flight")
     last_arrival_s = run.schedule[-1][0] if run.schedule else run.t0
     duration_s = max(run.last_event_s, last_arrival_s) - run.t0
-    per_engine: dict[str, dict[str, Any]] = {n.engine_id: n.totals(run.balance) for n in nodes}
+    billed = run.fleet.billed if run.fleet is not None else nodes
+    per_engine: dict[str, dict[str, Any]] = {n.engine_id: n.totals(run.balance) for n in billed}
+    cost_usd = bill(billed, run.t0, run.t0 + duration_s)
+    tokens = sum(o.prompt_tokens + o.output_tokens for o in outcomes if o.success)
     per_decider: list[dict[str, Any]] = [
         {"decisions": made, "dispatched": accepted}
         for made, accepted in zip(run.decisions, run.dispatched, strict=True)]
@@ -422,7 +479,10 @@ def simulate(
         wall_s=clock.now() - started_s,
         per_engine=per_engine,
         timeline=run.timeline,
-        events_processed=len(run.schedule) + sum(n.iterations() + n.empty_steps for n in nodes),
+        events_processed=len(run.schedule) + sum(n.iterations() + n.empty_steps for n in billed),
         per_decider=per_decider,
         balance=(balance_figures(per_engine, per_decider, run.timeline, duration_s) if run.balance else None),
+        cost_usd=cost_usd,
+        tokens_per_usd=tokens / cost_usd if cost_usd > 0 else None,
+        fleet_actions=run.fleet.actions if run.fleet is not None else [],
     )

@@ -1,4 +1,5 @@
-"""What a simulation takes and gives back: `EngineSpec`, `parse_engines`, `SimOptions`, `SimResult`.
+"""What a simulation takes and gives back: `EngineSpec`, `parse_engines`, `SimOptions`, `Scaling`,
+`SimResult`.
 
 Owns: the public data types of `loadgen.simulate`, the parsing of a fleet description
 ("h100-llama3-8b:6,a6000-llama3-8b:2", with an optional per-spec LENS mode: "h100-llama3-8b:6:lens"), and
@@ -17,6 +18,9 @@ from typing import Any, Literal
 from engine_agent.sim.profiles import get_profile
 from engine_agent.star.predictor import LengthPredictor
 from gateway.dispatch.mover import MoveParams
+from gateway.planning.autoscaler import Action, AutoscalerParams
+from gateway.planning.ilp import Solver
+from gateway.planning.plan_file import Plan
 from gateway.rescheduling.star import StarParams
 from loadgen.metrics import Outcome
 from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment
@@ -38,12 +42,14 @@ class EngineSpec:
     """`count` simulated engines of the sim profile `profile` (ids `{profile}-{i}`, i from 0 per profile).
 
     `lens`: LENS batch planning for these engines (True "lens", False "static"); None follows
-    `SimOptions.lens_planning`.
+    `SimOptions.lens_planning`. `combo`: the GPU combo label they report (CAUCHY; `Scaling` gives plans'
+    engines theirs), "" = none.
     """
 
     profile: str
     count: int
     lens: bool | None = None
+    combo: str = ""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -216,6 +222,33 @@ class SimOptions:
         return self.balance_figures or self.reschedule != "none"
 
 
+@dataclass(frozen=True)
+class Scaling:
+    """CAUCHY's fleet over a run (paper 004, §3.5): the engines of `plan`'s combos (each copy labelled
+    "{combo}#{k}", `loadgen.simulate.fleet.combo_profiles` for its engines) instead of an engine list, and
+    with `autoscale` Algorithm 1 (`gateway.planning.autoscaler.Autoscaler`, `params`) fed the arrivals' QPS
+    every `step_s` (`QpsMeter`, as `switchyard plan --autoscale` samples a trace): a scale-out's engines are
+    billed from the decision and join when provisioned; a scale-in's drain (they take nothing new) and leave
+    once their grace has passed and nothing is in flight. `solver`: the ILP seam (None: PuLP + CBC).
+    `actions`: instead of the autoscaler, these actions (times since the first arrival), applied as they
+    come due: a timeline decided elsewhere (`switchyard plan --autoscale`), or a scripted one in tests."""
+
+    plan: Plan
+    autoscale: bool = False
+    params: AutoscalerParams = field(default_factory=AutoscalerParams)
+    step_s: float = 10.0
+    solver: Solver | None = None
+    actions: tuple[Action, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.step_s) and self.step_s > 0):
+            raise ValueError(f"Scaling.step_s must be a positive finite number, got {self.step_s}")
+        if not any(n > 0 for n in self.plan.combos.values()):
+            raise ValueError("the plan deploys no combo")
+        if self.autoscale and self.actions:
+            raise ValueError("Scaling: autoscale or scripted actions, not both")
+
+
 @dataclass
 class SimResult:
     """A simulation's outcome. Times in `outcomes` and `timeline` are seconds since the first arrival.
@@ -231,6 +264,12 @@ class SimResult:
     migrations_out and migrations_in; `timeline` rows exec_time_var_ms2 and max_kv_used_ratio; `per_decider`
     rows a `reschedule` dict (that worker's rescheduler: `loadgen.simulate.migrations.MoveStats`); and
     `balance` the run's figures (`loadgen.simulate.balance.balance_figures`); otherwise `balance` is None.
+    Billing (CAUCHY): `cost_usd` sums each engine's $/h (its GPUs' catalogue price x TP) over the time it held
+    its GPUs within the run (the first arrival to the end of `duration_s`: from then, or from a scale-out's
+    decision, until it left or the run ended); `tokens_per_usd` = prompt + output tokens of the successful
+    requests / `cost_usd` (None when nothing was billed); timeline rows carry `engines` (in the fleet,
+    provisioning or draining included) and `usd_per_h`; `fleet_actions` are the autoscaler's actions
+    (`gateway.planning.autoscaler.action_row`, times since the first arrival).
     """
 
     outcomes: list[Outcome]
@@ -241,6 +280,9 @@ class SimResult:
     events_processed: int
     per_decider: list[dict[str, Any]] = field(default_factory=list)
     balance: dict[str, Any] | None = None
+    cost_usd: float = 0.0
+    tokens_per_usd: float | None = None
+    fleet_actions: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def simulated_s_per_wall_s(self) -> float:
