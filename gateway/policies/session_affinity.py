@@ -22,7 +22,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field, StrictFloat, StrictStr, field_validator
 
-from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures, RouteTag
 from gateway.policies.base import Policy, eligible
 from gateway.policies.least_loaded import LeastLoadedPolicy
 from gateway.policies.params import NonNegative, PolicyParams
@@ -86,6 +86,20 @@ class SessionAffinityPolicy:
         if sticky is not None:
             return sticky
         return self._fallback.pick(features, snapshot)
+
+    def choose(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot
+    ) -> tuple[EngineId | None, RouteTag | None]:
+        """`pick`, with the fallback's `RouteTag` when it is a weighted policy (goodput_rr), so the picks it
+        makes are counted; a sticky pick carries none (it is not the fallback's)."""
+        sticky = self._sticky_engine(features, snapshot)
+        if sticky is not None:
+            return sticky, None
+        choose = getattr(self._fallback, "choose", None)
+        if choose is not None:
+            engine_id, route = choose(features, snapshot)
+            return engine_id, route
+        return self._fallback.pick(features, snapshot), None
 
     def _sticky_engine(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         target = features.session_engine

@@ -206,3 +206,11 @@ def test_one_policy_shared_by_two_cluster_states_keeps_their_layouts_apart() -> 
     assert policy.pick(features(), left.snapshot(1.0)) == "e0"
     assert policy.pick(features(), right.snapshot(1.0)) == "f0"
     assert policy.pick(features(), left.snapshot(1.0)) == "e0"
+
+
+def test_session_affinity_counts_its_goodput_rr_fallbacks_picks() -> None:
+    policy = make_policy("session_affinity", {"fallback": "goodput_rr",
+                                              "fallback_params": {"goodput": {"a": 2.0, "b": 1.0}}})
+    state = _state({"e0": ("a#0", 500), "e1": ("b#0", 500)})
+    groups = [_route(state, policy, i).route.group for i in range(6)]  # type: ignore[arg-type,union-attr]
+    assert groups == ["a#0", "b#0", "a#0", "a#0", "b#0", "a#0"]
