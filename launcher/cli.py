@@ -16,7 +16,9 @@
       with loadgen's dataset loading for `collect`
   switchyard gpus [--price GPU=USD ...] [--json]   the GPU catalogue with CAUCHY Table 1's derived columns
   switchyard plan --model M --workload ... --slo ... [--goodput-rps R] [--budget-usd-h X] ...   CAUCHY's
-      combo allocation (both in `launcher.planning_cli`)
+      combo allocation
+  switchyard profile-combos --model M --workload DATASET --slo ...   goodput per combo, measured in the
+      simulator, for `plan --goodput-table` (all three in `launcher.planning_cli`)
 
 Owns: sub-command dispatch, the `up` orchestration and its banner, one-line errors (exit 2 for usage, 1 for a
 fleet that failed to start).
@@ -55,7 +57,7 @@ from launcher.local_fleet import (
 DEFAULT_PROFILE = "h100-llama3-8b"
 # Engines per backend when --engines is not given: vLLM on a CPU uses every core, so one per machine.
 DEFAULT_ENGINES: dict[Backend, int] = {"sim": 4, "vllm": 1}
-USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor,gpus,plan} ...
+USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor,gpus,plan,profile-combos} ...
 
   up          start engine agents (simulated, or vLLM with --backend vllm --model DIR) and a gateway
   tiny-model  write a tiny random-weight Llama model directory that vLLM can serve on a CPU
@@ -64,6 +66,7 @@ USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor,gpus,plan} .
   predictor   STAR's remaining-length predictor: collect hidden states, train, eval (see: --help)
   gpus        the GPU catalogue: datasheet figures, prices and CAUCHY Table 1's derived columns
   plan        CAUCHY's GPU-combo allocation for a model, workload, SLO and goodput or budget (see: --help)
+  profile-combos  each GPU combo's goodput at an SLO, measured in the simulator (plan --goodput-table)
 """
 
 
@@ -371,13 +374,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from launcher.planning_cli import gpus  # noqa: PLC0415
 
         return gpus(rest)
+    if command == "profile-combos":
+        from launcher.planning_cli import profile_combos  # noqa: PLC0415
+
+        return profile_combos(rest)
     if command == "plan":
         from launcher.planning_cli import plan  # noqa: PLC0415
 
         return plan(rest)
     print(
         f"switchyard: error: unknown command {command!r} "
-        "(choose from up, tiny-model, gateway, agent, predictor, gpus, plan)",
+        "(choose from up, tiny-model, gateway, agent, predictor, gpus, plan, profile-combos)",
         file=sys.stderr,
     )
     return 2

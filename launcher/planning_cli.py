@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -332,3 +333,128 @@ def print_timeline(timeline: Mapping[str, Any]) -> None:
         combos = a.get("combos", {})
         print(f"  {a['at_s'] / 60:7.1f} min  {a['kind']:<8} {combos or ''}  {a['reason']}")
     print(f"  fleet cost over the trace ${timeline['usd_total']:.2f} ({len(timeline['actions'])} actions)")
+
+
+def build_profile_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Measure each GPU combo's goodput at an SLO in the simulator (CAUCHY §3.2's "
+        "profiling): the highest Poisson rate whose SLO attainment stays at or above --attainment. Writes "
+        "the {combo: req/s} table `switchyard plan --goodput-table` reads.")
+    p.add_argument("--model", required=True, help="a model of the catalogue, e.g. llama3-8b")
+    p.add_argument("--workload", required=True,
+                   help="a loadgen dataset (azure-conv, sharegpt, synth:in=702,out=42, ...) to replay")
+    p.add_argument("--slo", required=True, help="ttft=MS,tpot=MS")
+    p.add_argument("--gpus", default="h800,a800,h20", help="GPU types, GPU or GPU:COUNT (%(default)s)")
+    p.add_argument("--combos", help="combo ids to profile (default: the planner's candidates for --gpus)")
+    p.add_argument("--price", action="append", default=[], metavar="GPU=USD", help="replace a GPU's price")
+    p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment a rate must keep (0.9)")
+    p.add_argument("--requests", type=int, default=1000, help="workload requests drawn (1000)")
+    p.add_argument("--trial-s", type=float, default=60.0,
+                   help="seconds of Poisson arrivals per trial rate (60): rate x trial-s requests, the "
+                        "workload's cycled")
+    p.add_argument("--precision", type=float, default=0.05, help="relative width the search stops at (0.05)")
+    p.add_argument("--max-rps", type=float, default=1000.0, help="the highest rate tried (1000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", help="dataset root (default: SWITCHYARD_DATA_DIR, else ../shared/data)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the goodput table here")
+    return p
+
+
+def profile_combos(argv: Sequence[str], prog: str = "switchyard profile-combos") -> int:
+    """`switchyard profile-combos`: a goodput table measured on the simulated GPU."""
+    from gateway.planning.combos import Slo, candidates  # noqa: PLC0415
+    from gateway.planning.cost_model import Workload  # noqa: PLC0415
+    from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
+    from loadgen.metrics import parse_slo  # noqa: PLC0415
+    from loadgen.paths import resolve_data_dir  # noqa: PLC0415
+    from loadgen.simulate.fleet import combo_profiles  # noqa: PLC0415
+
+    args = build_profile_parser(prog).parse_args(argv)
+
+    def fail(reason: str) -> int:
+        print(f"{prog}: error: {reason}", file=sys.stderr)
+        return 2
+
+    try:
+        catalogue = priced_catalogue(args.price)
+        if args.model not in MODELS:
+            return fail(f"unknown model {args.model!r}; known: {', '.join(sorted(MODELS))}")
+        shape = MODELS[args.model]
+        slo = parse_slo(args.slo)
+        if slo.ttft_ms is None or slo.tpot_ms is None or slo.e2e_ms is not None:
+            return fail(f"--slo {args.slo!r}: give ttft=MS,tpot=MS")
+        if not 0 < args.attainment <= 1:
+            return fail(f"--attainment must be in (0, 1], got {args.attainment:g}")
+        if args.requests < 10:
+            return fail(f"--requests must be >= 10, got {args.requests}")
+        if not 0 < args.precision < 1 or not args.max_rps > 0 or not args.trial_s > 0:
+            return fail("--precision must be in (0, 1), --max-rps and --trial-s > 0")
+        gpu_names = [item.partition(":")[0].strip() for item in args.gpus.split(",") if item.strip()]
+        unknown = [g for g in gpu_names if g not in catalogue]
+        if unknown:
+            return fail(f"--gpus: unknown GPU {unknown[0]!r}; known: {', '.join(sorted(catalogue))}")
+        requests = load_dataset(args.workload, resolve_data_dir(args.data_dir), num_requests=args.requests,
+                                seed=args.seed)
+        if args.combos:
+            combo_ids = [c.strip() for c in args.combos.split(",") if c.strip()]
+        else:
+            outputs = [r.output_tokens for r in requests if r.output_tokens is not None]
+            mean_out = sum(outputs) / len(outputs) if outputs else 256.0
+            workload = Workload(sum(r.prompt_tokens for r in requests) / len(requests), mean_out)
+            gpus = {g: catalogue[g] for g in gpu_names}
+            combo_ids = [c.combo.id for c in candidates(shape, workload, Slo(slo.ttft_ms / 1e3,
+                                                                            slo.tpot_ms / 1e3), gpus)]
+        fleets = {c: combo_profiles(c, shape.name) for c in combo_ids}
+    except (ValueError, CostModelError, OSError) as exc:
+        return fail(str(exc).splitlines()[0])
+    table: dict[str, float] = {}
+    measured: dict[tuple[str, ...], float] = {}  # one search per multiset of engines (a combo, its reverse)
+    for combo, profiles in fleets.items():
+        key = tuple(sorted(profiles))
+        if key not in measured:
+            measured[key] = combo_goodput(profiles, requests, slo, args.attainment, args.precision,
+                                          args.max_rps, args.seed, args.trial_s)
+        table[combo] = measured[key]
+        print(f"{combo:<18} {len(profiles)} engine(s)  goodput {table[combo]:8.2f} req/s", flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(table, indent=2) + "\n")
+    return 0
+
+
+def combo_goodput(profiles: Sequence[str], requests: Sequence[Any], slo: Any, attainment: float,
+                  precision: float, max_rps: float, seed: int, trial_s: float = 60.0) -> float:
+    """The highest Poisson rate (req/s) at which the engines of `profiles`, routed least-loaded (the
+    opportunistic intra-combo pick), keep SLO attainment >= `attainment`: each trial replays `trial_s`
+    seconds of arrivals at its rate (at least 50 requests, `requests` cycled with fresh ids); doubling from
+    0.25 req/s until a rate fails, then bisection to `precision`; 0 when even 0.25 req/s fails."""
+    import dataclasses  # noqa: PLC0415
+
+    from loadgen.arrivals import ArrivalSpec, schedule  # noqa: PLC0415
+    from loadgen.metrics import summarize  # noqa: PLC0415
+    from loadgen.simulate import EngineSpec, SimOptions, simulate  # noqa: PLC0415
+
+    engines = [EngineSpec(p, 1) for p in profiles]
+    options = SimOptions(policy="least_loaded", seed=seed, slo_ttft_s=slo.ttft_ms / 1e3,
+                         slo_tpot_s=slo.tpot_ms / 1e3)
+
+    def meets(rate: float) -> bool:
+        n = max(50, math.ceil(rate * trial_s))
+        drawn = [dataclasses.replace(requests[i % len(requests)], request_id=f"p{i}") for i in range(n)]
+        result = simulate(schedule(drawn, ArrivalSpec(rate_per_s=rate, seed=seed)), engines, options)
+        summary = summarize(result.outcomes, max(result.duration_s, 1e-9), slo)
+        return (summary.slo_attainment or 0.0) >= attainment
+
+    low, high = 0.0, 0.25
+    while high <= max_rps and meets(high):
+        low, high = high, high * 2
+    if low == 0.0:
+        return 0.0
+    high = min(high, max_rps)
+    while (high - low) / low > precision:
+        mid = (low + high) / 2
+        if meets(mid):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -122,3 +122,34 @@ def test_plan_takes_a_dataset_or_a_synth_workload_by_its_means(tmp_path: Path,
         if r_in is not None:
             assert doc["input_tokens"] == pytest.approx(r_in, rel=0.02)
     capsys.readouterr()
+
+
+def test_profile_combos_measures_a_table_plan_can_read(tmp_path: Path) -> None:
+    from launcher.planning_cli import plan, profile_combos
+
+    table_path = tmp_path / "goodput.json"
+    assert profile_combos(["--model", "llama3-8b", "--workload", "synth:in=500,out=300", "--slo",
+                           "ttft=500,tpot=20", "--combos", "1xh100,2xh100", "--requests", "100",
+                           "--trial-s", "10", "--precision", "0.25", "--json", str(table_path)]) == 0
+    table = json.loads(table_path.read_text())
+    assert set(table) == {"1xh100", "2xh100"}
+    assert 0 < table["1xh100"] < table["2xh100"]  # two replicas carry more than one
+    plan_path = tmp_path / "plan.json"
+    assert plan(["--model", "llama3-8b", "--workload", "in=500,out=300", "--slo", "ttft=500,tpot=20",
+                 "--goodput-rps", str(table["1xh100"] * 1.5), "--gpus", "h100:4", "--goodput-table",
+                 str(table_path), "--json", str(plan_path)]) == 0
+    doc = json.loads(plan_path.read_text())
+    assert doc["goodput_table"] == table
+    assert {c["goodput_source"] for c in doc["combos"]} == {"table"}
+
+
+def test_profile_combos_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from launcher.planning_cli import profile_combos
+
+    base = ["--model", "llama3-8b", "--workload", "synth:in=200,out=50", "--slo", "ttft=2000,tpot=100"]
+    assert profile_combos([*base, "--gpus", "tpu9"]) == 2
+    assert profile_combos([*base, "--combos", "h100"]) == 2
+    assert profile_combos([*base, "--attainment", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown GPU 'tpu9'" in err and "bad combo id" in err and "--attainment" in err
+    assert "Traceback" not in err
