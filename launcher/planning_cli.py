@@ -349,9 +349,9 @@ def build_profile_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--price", action="append", default=[], metavar="GPU=USD", help="replace a GPU's price")
     p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment a rate must keep (0.9)")
     p.add_argument("--requests", type=int, default=1000, help="workload requests drawn (1000)")
-    p.add_argument("--trial-s", type=float, default=60.0,
-                   help="seconds of Poisson arrivals per trial rate (60): rate x trial-s requests, the "
-                        "workload's cycled")
+    p.add_argument("--trial-s", type=float, default=300.0,
+                   help="seconds of Poisson arrivals per trial rate (300): rate x trial-s requests, the "
+                        "workload's cycled; short trials overstate goodput (a slow queue never builds)")
     p.add_argument("--precision", type=float, default=0.05, help="relative width the search stops at (0.05)")
     p.add_argument("--max-rps", type=float, default=1000.0, help="the highest rate tried (1000)")
     p.add_argument("--seed", type=int, default=0)
@@ -423,7 +423,7 @@ def profile_combos(argv: Sequence[str], prog: str = "switchyard profile-combos")
 
 
 def combo_goodput(profiles: Sequence[str], requests: Sequence[Any], slo: Any, attainment: float,
-                  precision: float, max_rps: float, seed: int, trial_s: float = 60.0) -> float:
+                  precision: float, max_rps: float, seed: int, trial_s: float = 300.0) -> float:
     """The highest Poisson rate (req/s) at which the engines of `profiles`, routed least-loaded (the
     opportunistic intra-combo pick), keep SLO attainment >= `attainment`: each trial replays `trial_s`
     seconds of arrivals at its rate (at least 50 requests, `requests` cycled with fresh ids); doubling from
