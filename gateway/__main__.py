@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.access.keys import load_key_table
 from gateway.app import serve
-from gateway.config import ConfigError, GatewayConfig, build_config
+from gateway.config import ConfigError, GatewayConfig, build_config, load_plan_document
 from gateway.engines.grpc_link import load_engine_link
 from gateway.workers.spec import read_spec
 from gateway.workers.supervisor import WorkerFailed, supervise
@@ -115,6 +115,12 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         default=None,
         help="serve /admin/* (POST /admin/migrate); with --api-keys only admin keys may call them",
     )
+    p.add_argument(
+        "--plan",
+        metavar="PATH",
+        dest="plan_file",
+        help="a `switchyard plan --json` file (CAUCHY): served at GET /v1/plan next to the fleet's combos",
+    )
     p.add_argument("--worker-spec", metavar="PATH", help=argparse.SUPPRESS)  # a supervisor's worker
     return p
 
@@ -150,6 +156,7 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "engine_streams",
         "api_keys_file",
         "enable_admin",
+        "plan_file",
     )
     for name in simple:
         value = getattr(args, name)
@@ -227,6 +234,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m gateway") 
             )
         if config.api_keys_file is not None:  # read again by each app; checked here before any worker starts
             load_key_table(config.api_keys_file)
+        if config.plan_file is not None:  # likewise
+            load_plan_document(config.plan_file)
         if config.engines:  # the link's files, read again by each app; checked before any worker starts
             load_engine_link(config.engine_link)
         configure_logging(config)

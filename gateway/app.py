@@ -32,7 +32,7 @@ from gateway.api.handlers import ApiHandlers, openai_error_middleware
 from gateway.api.openai_format import WallClock
 from gateway.cluster.health import OutlierParams
 from gateway.cluster.store import ClusterStore
-from gateway.config import ConfigError, GatewayConfig, log_effective_config
+from gateway.config import ConfigError, GatewayConfig, load_plan_document, log_effective_config
 from gateway.dispatch.dispatcher import Dispatcher
 from gateway.dispatch.mover import MoveParams, Mover, Proposal, Proposer, RescheduleLoop
 from gateway.dispatch.policy_set import PolicySet
@@ -151,6 +151,7 @@ def build_app(
         wall_clock=wall_clock or WallClock(),
         access=access,
         exposition=scrape.exposition if scrape is not None else None,
+        plan=load_plan_document(config.plan_file) if config.plan_file is not None else None,
     )
     app = web.Application(middlewares=[openai_error_middleware])
     app[CONFIG_KEY] = config

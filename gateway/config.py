@@ -44,6 +44,22 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names each bad field by its path (`engines.1: ...`)."""
 
 
+def load_plan_document(path: str) -> dict[str, Any]:
+    """A plan file's JSON document, checked by `gateway.planning.plan_file.parse_plan`; ConfigError naming the
+    file and the problem."""
+    from gateway.planning.plan_file import parse_plan  # noqa: PLC0415
+
+    try:
+        doc = json.loads(Path(path).read_text())
+        parse_plan(doc)
+    except OSError as e:
+        raise ConfigError(f"plan_file {path}: {e.strerror or e}") from None
+    except ValueError as e:  # json.JSONDecodeError included
+        raise ConfigError(f"plan_file {path}: {str(e).splitlines()[0]}") from None
+    assert isinstance(doc, dict)
+    return doc
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -198,6 +214,8 @@ class GatewayConfig(_Frozen):
     reschedule: RescheduleConfig = RescheduleConfig()
     # Serve /admin/* (gateway.api.admin): with an API key file only admin keys may call them.
     enable_admin: bool = False
+    # A `switchyard plan --json` file (CAUCHY): at GET /v1/plan with the fleet's combos; None: no plan.
+    plan_file: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> GatewayConfig:

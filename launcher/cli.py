@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shlex
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -95,7 +97,14 @@ def build_up_parser() -> argparse.ArgumentParser:
         metavar="PROFILE",
         help=f"sim profile (repeatable: cycled over the engines); default {DEFAULT_PROFILE}",
     )
-    p.add_argument("--policy", default="round_robin", help="routing policy")
+    p.add_argument("--policy", default=None,
+                   help="routing policy (default round_robin; under --plan goodput_rr with its goodput)")
+    p.add_argument(
+        "--plan",
+        metavar="PATH",
+        help="a `switchyard plan --json` file: one sim agent per engine of its combos (labelled --combo "
+        "C#k), the gateway serving it at GET /v1/plan and routing by goodput_rr with its goodput",
+    )
     p.add_argument("--base-agent-port", type=int, default=50051, help="agent i listens on this + i")
     p.add_argument(
         "--startup-timeout-s",
@@ -140,8 +149,10 @@ def star_agent_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Backend-dependent rules and defaults (`parser.error` exits 2 with one line). Fills in `engines`,
-    `startup_timeout_s` and, for vllm, `model` as an absolute path (agents may run from another directory)."""
+    `startup_timeout_s`, `policy` and, for vllm, `model` as an absolute path (agents may run from another
+    directory); under --plan, `plan_specs` (`plan_engine_specs`) and `engines` from the plan."""
     backend: Backend = args.backend
+    args.plan_specs = None
     if backend == "vllm":
         if not args.model:
             parser.error(
@@ -157,8 +168,20 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.model = str(model_dir.resolve())
     elif args.model is not None:
         parser.error("--model is for --backend vllm (sim engines serve their --profile's model)")
+    if args.plan is not None:
+        if backend != "sim":
+            parser.error("--plan starts sim agents (the simulated GPUs of its combos); drop --backend vllm")
+        if args.engines is not None or args.profile:
+            parser.error("--plan sets the engines: drop --engines and --profile")
+        try:
+            args.plan_specs = plan_engine_specs(args.plan)
+        except (OSError, ValueError) as e:
+            parser.error(f"--plan {args.plan}: {str(e).splitlines()[0]}")
+        args.engines = len(args.plan_specs)
     if args.engines is None:
         args.engines = DEFAULT_ENGINES[backend]
+    if args.policy is None:
+        args.policy = "goodput_rr" if args.plan is not None else "round_robin"
     if args.startup_timeout_s is None:
         args.startup_timeout_s = DEFAULT_START_TIMEOUT_S[backend]
     elif args.startup_timeout_s <= 0:
@@ -173,6 +196,19 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.length_predictor = "oracle"
     if args.length_predictor == "oracle" and backend == "vllm":
         parser.error("--length-predictor oracle is for the sim backend (its engines know their lengths)")
+
+
+def plan_engine_specs(path: str) -> list[tuple[str, str, float]]:
+    """(sim profile, combo label, the combo's planned goodput in req/s) per engine of a plan file's combos
+    (`loadgen.simulate.scaling.plan_engines`: the simulator's mapping); ValueError or OSError when it cannot
+    be read."""
+    from gateway.planning.plan_file import parse_plan  # noqa: PLC0415
+    from loadgen.simulate.scaling import plan_engines  # noqa: PLC0415
+    from loadgen.simulate.spec import Scaling  # noqa: PLC0415
+
+    plan = parse_plan(orjson.loads(Path(path).read_bytes()))
+    return [(spec.profile, spec.combo, plan.goodput_rps.get(spec.combo.partition("#")[0], 0.0))
+            for spec in plan_engines(Scaling(plan))]
 
 
 def banner(base_url: str, specs: Sequence[AgentSpec], models: Sequence[str], policy: str) -> str:
@@ -206,6 +242,30 @@ def banner(base_url: str, specs: Sequence[AgentSpec], models: Sequence[str], pol
             "Press Ctrl-C to stop.",
         ]
     )
+
+
+def up_agent_specs(args: argparse.Namespace, profiles: Sequence[str]) -> list[AgentSpec]:
+    """The agents `switchyard up` starts (after `check_up_args`); under --plan each also gets `--combo`."""
+    specs = plan_agents(
+        args.engines,
+        profiles,
+        args.base_agent_port,
+        args.host,
+        backend=args.backend,
+        model=args.model,
+        extra_args=star_agent_args(args),
+    )
+    if args.plan_specs is not None:  # each engine reports its combo copy
+        specs = [dataclasses.replace(spec, extra_args=(*spec.extra_args, "--combo", combo))
+                 for spec, (_, combo, _) in zip(specs, args.plan_specs, strict=True)]
+    return specs
+
+
+def plan_policy_params(args: argparse.Namespace) -> dict[str, Any]:
+    """goodput_rr under --plan routes by the plan's goodput per combo type; other cases: no parameters."""
+    if args.plan_specs is None or args.policy != "goodput_rr":
+        return {}
+    return {"goodput": {combo.partition("#")[0]: goodput for _, combo, goodput in args.plan_specs}}
 
 
 async def _served_models(specs: Sequence[AgentSpec]) -> list[str]:
@@ -242,7 +302,8 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
         config = GatewayConfig(
             host=args.host,
             port=args.port,
-            policy=PolicyConfig(name=args.policy),
+            policy=PolicyConfig(name=args.policy, params=plan_policy_params(args)),
+            plan_file=args.plan,
             engines=tuple(s.address for s in specs),
             drain_timeout_s=args.drain_timeout_s,
             workers=args.gateway_workers,
@@ -272,21 +333,15 @@ def up(argv: Sequence[str]) -> int:
 
     check_up_args(parser, args)
     profiles = args.profile or ([DEFAULT_PROFILE] if args.backend == "sim" else [])
+    if args.plan_specs is not None:
+        profiles = [profile for profile, _, _ in args.plan_specs]
     unknown = [p for p in profiles if p not in known_profiles()]
     if unknown:
         parser.error(f"unknown profile {unknown[0]!r}; known: {', '.join(known_profiles())}")
     if args.policy not in POLICY_NAMES:
         parser.error(f"unknown policy {args.policy!r}; known: {', '.join(POLICY_NAMES)}")
     try:
-        specs = plan_agents(
-            args.engines,
-            profiles,
-            args.base_agent_port,
-            args.host,
-            backend=args.backend,
-            model=args.model,
-            extra_args=star_agent_args(args),
-        )
+        specs = up_agent_specs(args, profiles)
     except ValueError as e:
         parser.error(str(e))
     configure_logging(GatewayConfig(log_level=args.log_level))

@@ -69,6 +69,10 @@ class FleetView(Protocol):
         """The smallest context among `model`'s engines that described one; None when unknown."""
         ...
 
+    def combos(self) -> dict[str, list[dict[str, Any]]]:
+        """The engines by GPU combo label, for GET /v1/plan."""
+        ...
+
 
 @dataclass
 class ApiHandlers:
@@ -82,6 +86,7 @@ class ApiHandlers:
     admission: AdmissionGate  # the fleet's bounded queue per model, SLO-aware shedding
     # What `/metrics` answers when not this process's registry alone (a worker: the whole gateway's).
     exposition: Callable[[], Awaitable[bytes]] | None = None
+    plan: Mapping[str, Any] | None = None  # the `plan_file` document (CAUCHY), served at GET /v1/plan
     draining: bool = False
     _inflight_ids: set[str] = field(default_factory=set)
     _inflight_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -110,6 +115,7 @@ class ApiHandlers:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/plan", self.get_plan)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", OpenApiRoute().handle)
@@ -119,6 +125,29 @@ class ApiHandlers:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
+
+    async def get_plan(self, request: web.Request) -> web.Response:
+        """The configured plan (`plan_file`) and the fleet as it is, by combo: what was planned next to what
+        serves. 404 without a plan. The autoscaler does not run in the live gateway (yet): `autoscale` is
+        false."""
+        try:
+            self.access.authenticate(request.headers)
+        except ApiError as e:
+            return errors.error_response(e)
+        if self.plan is None:
+            return errors.error_response(ApiError(
+                404, "no plan configured: start the gateway with --plan PATH (from `switchyard plan --json`)",
+                "invalid_request_error", code="not_found"))
+        planned = {str(row["combo"]): int(row["count"]) for row in self.plan.get("combos", [])}
+        fleet = self.fleet.combos()
+        serving: dict[str, int] = {}
+        for label, engines in fleet.items():
+            if label and all(e["serving"] for e in engines):
+                kind = label.partition("#")[0]
+                serving[kind] = serving.get(kind, 0) + 1
+        body = {"object": "plan", "plan": self.plan, "planned_combos": planned, "serving_combos": serving,
+                "fleet": fleet, "autoscale": False}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def list_models(self, request: web.Request) -> web.Response:
         try:

@@ -21,6 +21,7 @@ import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from gateway.cluster.health import FailureReason, OutlierParams
 from gateway.cluster.state import ClusterState
@@ -239,6 +240,17 @@ class ClusterStore:
     def ready_count(self) -> int:
         """Engines that can take a request now (ready and not ejected, stale or not), for /health."""
         return sum(1 for e in self.snapshot().engines if e.ready and not e.ejected)
+
+    def combos(self) -> dict[str, list[dict[str, Any]]]:
+        """The engines by GPU combo label ("" for none), for GET /v1/plan: id, model, gpu, tp, $/h, ready."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for e in self.snapshot().engines:
+            out.setdefault(e.combo, []).append({
+                "engine_id": e.engine_id, "model": e.model, "profile": e.profile, "gpu": e.gpu,
+                "tensor_parallel": e.tensor_parallel, "hourly_price_usd": e.hourly_price_usd,
+                "serving": e.ready and not e.ejected,
+            })
+        return out
 
     def models(self) -> tuple[str, ...]:
         """Served model names (from the engines' descriptions), sorted, for /v1/models."""

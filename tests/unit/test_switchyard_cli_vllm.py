@@ -4,6 +4,7 @@ needed: nothing is spawned)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,24 @@ def test_reschedule_gives_the_agents_what_the_rescheduler_reads(model_dir: Path)
     assert star_agent_args(args) == ("--length-predictor", str(predictor))
     specs = plan_agents(2, ["h100-llama3-8b"], 50051, extra_args=("--star-report",))
     assert all(s.extra_args == ("--star-report",) for s in specs)
+
+
+def test_up_plan_starts_the_plans_engines_labelled_and_routes_by_its_goodput(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launcher.cli import plan_policy_params, up_agent_specs
+    from launcher.planning_cli import plan
+
+    path = tmp_path / "plan.json"
+    assert plan(["--model", "llama3-8b", "--workload", "in=1000,out=500", "--slo", "ttft=1000,tpot=30",
+                 "--goodput-rps", "15", "--gpus", "a100:6", "--json", str(path)]) == 0
+    args = checked(["--plan", str(path)])
+    assert args.engines == 2 and args.policy == "goodput_rr"
+    specs = up_agent_specs(args, [profile for profile, _, _ in args.plan_specs])
+    assert [s.profile for s in specs] == ["a100-llama3-8b", "a100-llama3-8b"]
+    assert [s.extra_args for s in specs] == [("--combo", "1xa100#0"), ("--combo", "1xa100#1")]
+    goodput = json.loads(path.read_text())["combos"][0]["goodput_rps"]
+    assert plan_policy_params(args) == {"goodput": {"1xa100": goodput}}
+    assert usage_error(["--plan", str(path), "--engines", "3"], capsys).endswith(
+        "--plan sets the engines: drop --engines and --profile")
+    assert "no such file" in usage_error(["--plan", str(tmp_path / "none.json")], capsys).lower()

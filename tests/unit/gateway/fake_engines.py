@@ -54,8 +54,10 @@ def ok_script(*texts: str, prompt_tokens: int = 5, cached_tokens: int = 0, reaso
 class FakeEngine:
     """An `EngineClient` that plays a script: events, exceptions to raise, or floats (seconds to sleep)."""
 
-    def __init__(self, engine_id: str, script: Script, *, ready: bool = True, model: str = MODEL) -> None:
+    def __init__(self, engine_id: str, script: Script, *, ready: bool = True, model: str = MODEL,
+                 combo: str = "") -> None:
         self.engine_id = engine_id
+        self.combo = combo
         self.model = model
         self.script = script
         self.ready = ready
@@ -105,6 +107,7 @@ class FakeEngine:
             kv_blocks_reserved=0,
             pending_prefill_tokens=0,
             running_batch_tokens=0,
+            combo=self.combo,
         )
         await asyncio.Event().wait()
 
