@@ -310,16 +310,16 @@ def main() -> int:
     window_s = args.window_s
     if args.quick:
         rates, window_s, sizes = [args.table_rate], min(window_s, 300.0), [s for s in sizes if s <= 32]
-    todo = tasks(rates, args.table_rate, window_s, sizes, args.scale_requests_per_engine, args.quick,
+    pending = tasks(rates, args.table_rate, window_s, sizes, args.scale_requests_per_engine, args.quick,
                  args.seed)
-    todo.sort(key=lambda t: -t.requests)  # longest first
+    pending.sort(key=lambda t: -t.requests)  # longest first
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-        work = [(t, args.predictor) for t in todo]
+        work = [(t, args.predictor) for t in pending]
         for i, row in enumerate(pool.imap_unordered(_run, work, chunksize=1), 1):
             rows.append(row)
-            print(f"[{i}/{len(todo)}] {time.perf_counter() - started:.0f} s: {row['figure']} "
+            print(f"[{i}/{len(pending)}] {time.perf_counter() - started:.0f} s: {row['figure']} "
                   f"{row['workload']} "
                   f"{row['rate']:g} {row['arm']} ({row['sim_wall_s']:.1f} s)", flush=True)
     wall_s = time.perf_counter() - started

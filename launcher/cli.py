@@ -203,11 +203,12 @@ def plan_engine_specs(path: str) -> list[tuple[str, str, float]]:
     (`loadgen.simulate.scaling.plan_engines`: the simulator's mapping); ValueError or OSError when it cannot
     be read."""
     from gateway.planning.plan_file import parse_plan  # noqa: PLC0415
+    from gateway.policies.goodput_rr import combo_type  # noqa: PLC0415
     from loadgen.simulate.scaling import plan_engines  # noqa: PLC0415
     from loadgen.simulate.spec import Scaling  # noqa: PLC0415
 
     plan = parse_plan(orjson.loads(Path(path).read_bytes()))
-    return [(spec.profile, spec.combo, plan.goodput_rps.get(spec.combo.partition("#")[0], 0.0))
+    return [(spec.profile, spec.combo, plan.goodput_rps.get(combo_type(spec.combo), 0.0))
             for spec in plan_engines(Scaling(plan))]
 
 
@@ -265,7 +266,9 @@ def plan_policy_params(args: argparse.Namespace) -> dict[str, Any]:
     """goodput_rr under --plan routes by the plan's goodput per combo type; other cases: no parameters."""
     if args.plan_specs is None or args.policy != "goodput_rr":
         return {}
-    return {"goodput": {combo.partition("#")[0]: goodput for _, combo, goodput in args.plan_specs}}
+    from gateway.policies.goodput_rr import combo_type  # noqa: PLC0415
+
+    return {"goodput": {combo_type(combo): goodput for _, combo, goodput in args.plan_specs}}
 
 
 async def _served_models(specs: Sequence[AgentSpec]) -> list[str]:

@@ -149,6 +149,19 @@ def parse_workload(text: str, data_dir: str | None) -> tuple[Any, str]:
     return Workload(mean_in, mean_out), f"{text} (means of {len(requests)} requests)"
 
 
+def model_and_slo(model: str, slo_text: str) -> tuple[Any, Any]:
+    """(the catalogue's `ModelShape`, loadgen's `Slo` with TTFT and TPOT only) for the planning commands'
+    --model and --slo; ValueError with the one-line reason."""
+    from loadgen.metrics import parse_slo  # noqa: PLC0415
+
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(sorted(MODELS))}")
+    slo = parse_slo(slo_text)
+    if slo.ttft_ms is None or slo.tpot_ms is None or slo.e2e_ms is not None:
+        raise ValueError(f"--slo {slo_text!r}: give ttft=MS,tpot=MS")
+    return MODELS[model], slo
+
+
 def build_plan_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="CAUCHY's combo allocation (paper 004, §3.3): "
                                 "candidates by cost efficiency, then Eq. 16 solved by CBC.")
@@ -183,7 +196,6 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         explain_infeasible,
         summarize,
     )
-    from loadgen.metrics import parse_slo  # noqa: PLC0415
 
     args = build_plan_parser(prog).parse_args(argv)
 
@@ -193,12 +205,7 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
 
     try:
         catalogue = priced_catalogue(args.price)
-        if args.model not in MODELS:
-            return fail(f"unknown model {args.model!r}; known: {', '.join(sorted(MODELS))}")
-        shape = MODELS[args.model]
-        targets = parse_slo(args.slo)
-        if targets.ttft_ms is None or targets.tpot_ms is None or targets.e2e_ms is not None:
-            return fail(f"--slo {args.slo!r}: give ttft=MS,tpot=MS")
+        shape, targets = model_and_slo(args.model, args.slo)
         slo = Slo(targets.ttft_ms / 1e3, targets.tpot_ms / 1e3)
         inventory: dict[str, int] = {}
         for gpu, count in parse_pairs(args.gpus, "--gpus").items():
@@ -365,7 +372,6 @@ def profile_combos(argv: Sequence[str], prog: str = "switchyard profile-combos")
     from gateway.planning.combos import Slo, candidates  # noqa: PLC0415
     from gateway.planning.cost_model import Workload  # noqa: PLC0415
     from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
-    from loadgen.metrics import parse_slo  # noqa: PLC0415
     from loadgen.paths import resolve_data_dir  # noqa: PLC0415
     from loadgen.simulate.fleet import combo_profiles  # noqa: PLC0415
 
@@ -377,12 +383,7 @@ def profile_combos(argv: Sequence[str], prog: str = "switchyard profile-combos")
 
     try:
         catalogue = priced_catalogue(args.price)
-        if args.model not in MODELS:
-            return fail(f"unknown model {args.model!r}; known: {', '.join(sorted(MODELS))}")
-        shape = MODELS[args.model]
-        slo = parse_slo(args.slo)
-        if slo.ttft_ms is None or slo.tpot_ms is None or slo.e2e_ms is not None:
-            return fail(f"--slo {args.slo!r}: give ttft=MS,tpot=MS")
+        shape, slo = model_and_slo(args.model, args.slo)
         if not 0 < args.attainment <= 1:
             return fail(f"--attainment must be in (0, 1], got {args.attainment:g}")
         if args.requests < 10:

@@ -50,6 +50,7 @@ from gateway.dispatch.features import RoutingHints, estimate_prompt_tokens
 from gateway.dispatch.policy_set import UnknownPolicy
 from gateway.domain import EngineRequestError, EngineStreamError
 from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.policies.goodput_rr import combo_type
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class ApiHandlers:
         serving: dict[str, int] = {}
         for label, engines in fleet.items():
             if label and all(e["serving"] for e in engines):
-                kind = label.partition("#")[0]
+                kind = combo_type(label)
                 serving[kind] = serving.get(kind, 0) + 1
         body = {"object": "plan", "plan": self.plan, "planned_combos": planned, "serving_combos": serving,
                 "fleet": fleet, "autoscale": False}

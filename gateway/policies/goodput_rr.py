@@ -154,13 +154,7 @@ class GoodputRRPolicy:
             index = max((i for i, group in enumerate(members) if group),
                         key=lambda i: (_free_tokens([engines[j] for j in layout.members[i]]), -i))
             return self._inside(engines, members[index], 0), None
-        if source == "measured":
-            weights = self._measured(features, snapshot, layout)
-            values: Sequence[float] = [w for _, w in weights]
-        elif source == "equal":
-            weights, values = layout.equal, layout.equal_values
-        else:
-            weights, values = layout.planned, layout.planned_values
+        weights, values = self._weights_for(features, snapshot, layout)
         tally = snapshot.routes.get(model)
         counts = (tally.counts if tally is not None and (tally.weights is weights or tally.weights == weights)
                   else layout.zeros)
@@ -169,10 +163,19 @@ class GoodputRRPolicy:
 
     def weights(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> RouteWeights:
         """The weights of the serving engines' groups for this request (empty with none serving)."""
-        layout = self._layout(snapshot, features.model)
-        if self._source == "measured" and layout.labels:
-            return self._measured(features, snapshot, layout)
-        return layout.equal if self._source in ("equal", "tokens") else layout.planned
+        return self._weights_for(features, snapshot, self._layout(snapshot, features.model))[0]
+
+    def _weights_for(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot, layout: _Layout
+    ) -> tuple[RouteWeights, Sequence[float]]:
+        """The groups' weights by `weights` (equal ones for "tokens", which routes without them), with their
+        values alone."""
+        if self._source == "measured":
+            measured = self._measured(features, snapshot, layout)
+            return measured, [w for _, w in measured]
+        if self._source == "plan":
+            return layout.planned, layout.planned_values
+        return layout.equal, layout.equal_values
 
     def _layout(self, snapshot: ClusterSnapshot, model: str) -> _Layout:
         engines = snapshot.engines

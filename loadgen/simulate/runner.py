@@ -42,6 +42,8 @@ from switchyard.clock import Clock, MonotonicClock
 IDLE_RETRY_S = 1e-3  # an iteration that scheduled nothing is retried this much later, as the sim backend does
 MAX_EMPTY_STEPS = 100_000  # empty iterations on one engine before the run is declared stuck
 CONNECT_LEAD_S = 1e-3  # engines connect this long (plus the report delay) before the first arrival
+# What a draining agent answers a new request with (UNAVAILABLE, `engine_agent.service`).
+DRAINING_ERROR = "engine agent is draining; send the request elsewhere"
 
 
 def engine_request_of(request: Request, model: str, max_tokens: int, ignore_eos: bool,
@@ -228,16 +230,27 @@ class _Run:
                              slo_tpot_s=options.slo_tpot_s)
         life = ChoiceLife(engine_request, hints, session_engine=session_engine,
                           session_last_used_s=session_last_used_s)
-        decision = life.route(decider.policy, decider.moment(now_s))
-        self.decisions[decider.index] += 1
-        if self.on_decision is not None:
-            self.on_decision(decision)
-        if isinstance(decision, GiveUp):
-            self._fail(index, now_s, request, decision.message, None)
-            return
-        record_dispatch(state, decision)
-        engine_id = decision.engine_id
-        node = self.by_id[engine_id]
+        while True:
+            decision = life.route(decider.policy, decider.moment(now_s))
+            self.decisions[decider.index] += 1
+            if self.on_decision is not None:
+                self.on_decision(decision)
+            if isinstance(decision, GiveUp):
+                self._fail(index, now_s, request, decision.message, None)
+                return
+            record_dispatch(state, decision)
+            node = self.by_id[decision.engine_id]
+            if node.feed.drain_s > now_s:
+                break
+            # Live: a draining agent refuses new requests (UNAVAILABLE) and the dispatcher retries elsewhere
+            # (the gateway routed it before the draining report arrived).
+            record_outcome(state, life.failure("connect_failures", now_s))
+            after = life.on_unavailable(DRAINING_ERROR, now_s, decider.rng.random())
+            self._release(life, decider)
+            if isinstance(after, GiveUp):
+                self._fail(index, now_s, request, after.message, node.engine_id)
+                return
+            # Simulated lives carry no retry budget, so a retry has no backoff: route again at once.
         rid = request.request_id
         features = decision.features
         backend_request = BackendRequest(

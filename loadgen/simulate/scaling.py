@@ -5,7 +5,9 @@ Owns: `FleetChanges`, which the runner (`loadgen.simulate.runner`) asks for its 
 at it: QPS samples (`gateway.planning.autoscaler.QpsMeter`) go to the `Autoscaler` (or scripted actions come
 due), a `ScaleOut` creates the combos' engines at once (billed from the decision) and has them join the
 gateway's cluster states `provisioning_s` later; a `ScaleIn` drains the newest copies of its combos (their
-reports say draining, the gateway routes them nothing new; a copy still provisioning is cancelled) and each
+reports say draining, the gateway routes them nothing new, and a request routed there before the report
+arrived is refused and retried elsewhere by the runner, as a live agent refuses it; a copy still provisioning
+is cancelled) and each
 drained engine leaves once `gone_at_s` has passed and nothing is in flight (so no request is lost; its
 bill runs until it leaves). `plan_engines` gives a plan's first fleet, `bill` what every engine cost.
 Must not: route, or advance engines (the runner does both); read clocks.
@@ -65,14 +67,14 @@ class FleetChanges:
         self._leave = leave
         self._counts = counts  # engines numbered so far per profile (ids continue the initial fleet's)
         self.billed: list[SimNode] = list(nodes)  # every engine that ever held GPUs
-        self.copies: dict[str, list[SimNode]] = {}  # combo copy label -> its engines
+        self.copies: dict[tuple[str, int], list[SimNode]] = {}  # (combo, k) of label "combo#k" -> its engines
         for node in nodes:
-            if node.combo:
-                self.copies.setdefault(node.combo, []).append(node)
+            combo, _, k = node.combo.partition("#")
+            if combo and k.isdigit():  # plan_engines' labels
+                self.copies.setdefault((combo, int(k)), []).append(node)
         self._next_copy: Counter[str] = Counter()
-        for label in self.copies:
-            combo, _, k = label.partition("#")
-            self._next_copy[combo] = max(self._next_copy[combo], int(k) + 1 if k.isdigit() else 0)
+        for combo, k in self.copies:
+            self._next_copy[combo] = max(self._next_copy[combo], k + 1)
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self.actions: list[dict[str, Any]] = []
@@ -112,7 +114,7 @@ class FleetChanges:
 
     def run_due(self, now_s: float) -> None:
         """Apply everything due by `now_s`, in time order."""
-        if self.meter is not None and self.meter.next_sample_s <= min(now_s, self._last_close_s):
+        if self.meter is not None:
             self._observe(self.meter.until(min(now_s, self._last_close_s)))
         events = self._events
         while events and events[0][0] <= now_s:
@@ -157,30 +159,27 @@ class FleetChanges:
         k = self._next_copy[combo]
         self._next_copy[combo] = k + 1
         label = f"{combo}#{k}"
-        nodes = []
+        nodes: list[SimNode] = []
         for profile in combo_profiles(combo, self.scaling.plan.model.name):
             index = self._counts.get(profile, 0)
             self._counts[profile] = index + 1
             nodes.append(SimNode(f"{profile}-{index}", profile, self.options, combo=label,
                                  billed_from_s=now_s))
-        self.copies[label] = nodes
+        self.copies[(combo, k)] = nodes
         self.billed += nodes
         return nodes
 
     def _drain(self, combos: dict[str, int], gone_s: float, now_s: float) -> None:
         leaving: list[SimNode] = []
         for combo, copies in sorted(combos.items()):
-            live = [(label, nodes) for label, nodes in self.copies.items()
-                    if label.partition("#")[0] == combo and all(n.left_s is None for n in nodes)
-                    and all(n.leave_after_s == math.inf for n in nodes)]
-            live.sort(key=lambda item: int(item[0].partition("#")[2]), reverse=True)  # newest first
-            for _, nodes in live[:copies]:
-                for node in nodes:
-                    if node.feed.drain_s == math.inf and node.billed_from_s <= now_s and node.left_s is None:
-                        node.leave_after_s = gone_s
-                        if node.joined:
-                            node.feed.drain(now_s)
-                            leaving.append(node)
-                        else:  # still provisioning: cancelled
-                            node.left_s = now_s
+            live = sorted((k for (c, k), nodes in self.copies.items() if c == combo and all(
+                n.left_s is None and n.leave_after_s == math.inf for n in nodes)), reverse=True)
+            for k in live[:copies]:  # newest first
+                for node in self.copies[(combo, k)]:
+                    node.leave_after_s = gone_s
+                    if node.joined:
+                        node.feed.drain(now_s)
+                        leaving.append(node)
+                    else:  # still provisioning: cancelled
+                        node.left_s = now_s
         self._push(gone_s, "leave", leaving)

@@ -143,3 +143,16 @@ def test_cli_simulates_a_plan_and_prints_the_bill(tmp_path: Path, capsys: pytest
     assert "Fleet cost (USD); tokens per USD:" in capsys.readouterr().out
     summary = json.loads(out_json.read_text())["summary"]
     assert summary["cost_usd"] > 0 and summary["tokens_per_usd"] > 0
+
+
+def test_a_request_routed_to_a_draining_engine_before_its_report_is_retried_elsewhere() -> None:
+    # Reports take 0.5 s: requests arriving just after the drain are still routed to the draining copy, which
+    # refuses them (as a live agent does); the life retries them on the other copy.
+    actions = (ScaleOut(0.0, {"1xh100": 1}, 1.0, "s"), ScaleIn(10.0, {"1xh100": 1}, 11.0, "s"))
+    decisions: list[object] = []
+    result = simulate(steady(20.0, 12.0), [], SimOptions(policy="round_robin", report_delay_s=0.5),
+                      scaling=Scaling(one_h100_plan(), actions=actions), on_decision=decisions.append)
+    assert len(result.outcomes) == 240 and all(o.success for o in result.outcomes)
+    drained = f"{H100}-1"
+    assert all(o.arrival_s < 10.0 for o in result.outcomes if o.engine_id == drained)
+    assert len(decisions) > 240  # some requests were routed twice
