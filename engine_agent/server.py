@@ -55,6 +55,7 @@ from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock, MonotonicClock
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
+from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 from switchyard.star_load import DEFAULT_ROUND_TOKENS
 
 log = logging.getLogger(__name__)
@@ -332,6 +333,9 @@ async def serve(config: AgentConfig, *, clock: Clock | None = None, stop: asynci
         ", ".join(capabilities.names) or "none",
         ", ".join(f"{name} ({why})" for name, why in capabilities.switched_off.items()) or "none",
     )
+    if config.role in (PREFILL_ROLE, DECODE_ROLE) and capabilities.migrator is None:  # before loading a model
+        raise AgentStartupError(f"--role {config.role}: requests move from prefill to decode engines by "
+                                f"migration; {capabilities.missing(MIGRATION)}")
     if config.backend == "vllm" and capabilities.migrator is not None:
         host, port = config.vllm.nixl_side_channel_host, nixl_side_channel_port(config)
         check_port_free(host, port, "the NIXL side channel", "--nixl-port")

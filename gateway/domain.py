@@ -157,8 +157,8 @@ class ClusterSnapshot:
     """The fleet at one instant. `engines` is in a stable order (by engine id). `routes`: model -> the
     weighted picks since that model's weights last changed (empty unless a weighted policy routes).
     `membership`: two snapshots with the same value >= 0 (unique per process) have the same engines in the
-    same order, each with the same model, readiness, ejection, combo and profile (policies may memoise what
-    depends on those alone); -1: unknown (hand-built snapshots)."""
+    same order, each with the same model, readiness, ejection, combo, profile and role (policies may memoise
+    what depends on those alone); -1: unknown (hand-built snapshots)."""
 
     taken_at_s: float
     engines: tuple[EngineView, ...]

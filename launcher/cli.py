@@ -36,7 +36,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -198,17 +198,25 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error("--length-predictor oracle is for the sim backend (its engines know their lengths)")
 
 
-def plan_engine_specs(path: str) -> list[tuple[str, str, float]]:
-    """(sim profile, combo label, the combo's planned goodput in req/s) per engine of a plan file's combos
-    (`loadgen.simulate.scaling.plan_engines`: the simulator's mapping); ValueError or OSError when it cannot
-    be read."""
+class PlanEngine(NamedTuple):
+    """One engine of a plan file's combos, as `switchyard up --plan` starts it."""
+
+    profile: str  # the sim profile
+    combo: str  # the copy's label, "C#k"
+    goodput_rps: float  # the combo's planned goodput per copy
+    role: str  # prefill / decode in a disaggregated combo (`switchyard.roles`), else ""
+
+
+def plan_engine_specs(path: str) -> list[PlanEngine]:
+    """Each engine of a plan file's combos (`loadgen.simulate.scaling.plan_engines`: the simulator's
+    mapping); ValueError or OSError when it cannot be read."""
     from gateway.planning.plan_file import parse_plan  # noqa: PLC0415
     from gateway.policies.goodput_rr import combo_type  # noqa: PLC0415
     from loadgen.simulate.scaling import plan_engines  # noqa: PLC0415
     from loadgen.simulate.spec import Scaling  # noqa: PLC0415
 
     plan = parse_plan(orjson.loads(Path(path).read_bytes()))
-    return [(spec.profile, spec.combo, plan.goodput_rps.get(combo_type(spec.combo), 0.0))
+    return [PlanEngine(spec.profile, spec.combo, plan.goodput_rps.get(combo_type(spec.combo), 0.0), spec.role)
             for spec in plan_engines(Scaling(plan))]
 
 
@@ -246,7 +254,8 @@ def banner(base_url: str, specs: Sequence[AgentSpec], models: Sequence[str], pol
 
 
 def up_agent_specs(args: argparse.Namespace, profiles: Sequence[str]) -> list[AgentSpec]:
-    """The agents `switchyard up` starts (after `check_up_args`); under --plan each also gets `--combo`."""
+    """The agents `switchyard up` starts (after `check_up_args`); under --plan each also gets `--combo`, and
+    `--role` in a disaggregated combo."""
     specs = plan_agents(
         args.engines,
         profiles,
@@ -256,9 +265,10 @@ def up_agent_specs(args: argparse.Namespace, profiles: Sequence[str]) -> list[Ag
         model=args.model,
         extra_args=star_agent_args(args),
     )
-    if args.plan_specs is not None:  # each engine reports its combo copy
-        specs = [dataclasses.replace(spec, extra_args=(*spec.extra_args, "--combo", combo))
-                 for spec, (_, combo, _) in zip(specs, args.plan_specs, strict=True)]
+    if args.plan_specs is not None:  # each engine reports its combo copy (and its role in it)
+        specs = [dataclasses.replace(spec, extra_args=(*spec.extra_args, "--combo", planned.combo,
+                                                       *(("--role", planned.role) if planned.role else ())))
+                 for spec, planned in zip(specs, args.plan_specs, strict=True)]
     return specs
 
 
@@ -268,7 +278,7 @@ def plan_policy_params(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     from gateway.policies.goodput_rr import combo_type  # noqa: PLC0415
 
-    return {"goodput": {combo_type(combo): goodput for _, combo, goodput in args.plan_specs}}
+    return {"goodput": {combo_type(e.combo): e.goodput_rps for e in args.plan_specs}}
 
 
 async def _served_models(specs: Sequence[AgentSpec]) -> list[str]:
@@ -337,7 +347,7 @@ def up(argv: Sequence[str]) -> int:
     check_up_args(parser, args)
     profiles = args.profile or ([DEFAULT_PROFILE] if args.backend == "sim" else [])
     if args.plan_specs is not None:
-        profiles = [profile for profile, _, _ in args.plan_specs]
+        profiles = [e.profile for e in args.plan_specs]
     unknown = [p for p in profiles if p not in known_profiles()]
     if unknown:
         parser.error(f"unknown profile {unknown[0]!r}; known: {', '.join(known_profiles())}")

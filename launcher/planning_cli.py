@@ -18,7 +18,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -373,7 +373,7 @@ def profile_combos(argv: Sequence[str], prog: str = "switchyard profile-combos")
     from gateway.planning.cost_model import Workload  # noqa: PLC0415
     from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
     from loadgen.paths import resolve_data_dir  # noqa: PLC0415
-    from loadgen.simulate.fleet import combo_profiles  # noqa: PLC0415
+    from loadgen.simulate.fleet import combo_engines  # noqa: PLC0415
 
     args = build_profile_parser(prog).parse_args(argv)
 
@@ -405,28 +405,29 @@ def profile_combos(argv: Sequence[str], prog: str = "switchyard profile-combos")
             gpus = {g: catalogue[g] for g in gpu_names}
             combo_ids = [c.combo.id for c in candidates(shape, workload, Slo(slo.ttft_ms / 1e3,
                                                                             slo.tpot_ms / 1e3), gpus)]
-        fleets = {c: combo_profiles(c, shape.name) for c in combo_ids}
+        fleets = {c: combo_engines(c, shape.name) for c in combo_ids}
     except (ValueError, CostModelError, OSError) as exc:
         return fail(str(exc).splitlines()[0])
     table: dict[str, float] = {}
-    measured: dict[tuple[str, ...], float] = {}  # one search per multiset of engines (a combo, its reverse)
-    for combo, profiles in fleets.items():
-        key = tuple(sorted(profiles))
+    measured: dict[tuple[tuple[str, str], ...], float] = {}  # one search per multiset of (profile, role)
+    for combo, engines in fleets.items():
+        key = tuple(sorted(engines))
         if key not in measured:
-            measured[key] = combo_goodput(profiles, requests, slo, args.attainment, args.precision,
+            measured[key] = combo_goodput(engines, requests, slo, args.attainment, args.precision,
                                           args.max_rps, args.seed, args.trial_s)
         table[combo] = measured[key]
-        print(f"{combo:<18} {len(profiles)} engine(s)  goodput {table[combo]:8.2f} req/s", flush=True)
+        print(f"{combo:<18} {len(engines)} engine(s)  goodput {table[combo]:8.2f} req/s", flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(table, indent=2) + "\n")
     return 0
 
 
-def combo_goodput(profiles: Sequence[str], requests: Sequence[Any], slo: Any, attainment: float,
+def combo_goodput(engines: Sequence[tuple[str, str]], requests: Sequence[Any], slo: Any, attainment: float,
                   precision: float, max_rps: float, seed: int, trial_s: float = 300.0) -> float:
-    """The highest Poisson rate (req/s) at which the engines of `profiles`, routed least-loaded (the
-    opportunistic intra-combo pick), keep SLO attainment >= `attainment`: each trial replays `trial_s`
+    """The highest Poisson rate (req/s) at which `engines` ((sim profile, role) pairs: a disaggregated
+    combo's prefill engines hand off to its decode engines), routed least-loaded (the opportunistic
+    intra-combo pick), keep SLO attainment >= `attainment`: each trial replays `trial_s`
     seconds of arrivals at its rate (at least 50 requests, `requests` cycled with fresh ids); doubling from
     0.25 req/s until a rate fails, then bisection to `precision`; 0 when even 0.25 req/s fails."""
     import dataclasses  # noqa: PLC0415
@@ -435,17 +436,24 @@ def combo_goodput(profiles: Sequence[str], requests: Sequence[Any], slo: Any, at
     from loadgen.metrics import summarize  # noqa: PLC0415
     from loadgen.simulate import EngineSpec, SimOptions, simulate  # noqa: PLC0415
 
-    engines = [EngineSpec(p, 1) for p in profiles]
+    specs = [EngineSpec(profile, 1, role=role) for profile, role in engines]
     options = SimOptions(policy="least_loaded", seed=seed, slo_ttft_s=slo.ttft_ms / 1e3,
                          slo_tpot_s=slo.tpot_ms / 1e3)
 
     def meets(rate: float) -> bool:
         n = max(50, math.ceil(rate * trial_s))
         drawn = [dataclasses.replace(requests[i % len(requests)], request_id=f"p{i}") for i in range(n)]
-        result = simulate(schedule(drawn, ArrivalSpec(rate_per_s=rate, seed=seed)), engines, options)
+        result = simulate(schedule(drawn, ArrivalSpec(rate_per_s=rate, seed=seed)), specs, options)
         summary = summarize(result.outcomes, max(result.duration_s, 1e-9), slo)
         return (summary.slo_attainment or 0.0) >= attainment
 
+    return rate_search(meets, precision, max_rps)
+
+
+def rate_search(meets: Callable[[float], bool], precision: float, max_rps: float) -> float:
+    """The highest rate `meets` accepts, assuming acceptance falls with the rate: doubling from 0.25 until a
+    rate fails (or passes `max_rps`), then bisection until the bracket is within `precision` (relative);
+    0 when 0.25 already fails."""
     low, high = 0.0, 0.25
     while high <= max_rps and meets(high):
         low, high = high, high * 2

@@ -467,6 +467,11 @@ def _fleet(args: argparse.Namespace, scaling: Scaling | None) -> list[EngineSpec
 def _print_bill(result: SimResult) -> None:
     per_token = "-" if result.tokens_per_usd is None else f"{result.tokens_per_usd / 1e6:.2f}M"
     print(f"{'Fleet cost (USD); tokens per USD:':<36}{result.cost_usd:.4f}; {per_token}")
+    if result.handoffs is not None:
+        stall = result.handoffs["stall_ms"]
+        p50, p99 = (("-" if stall[q] is None else f"{stall[q]:.1f}") for q in ("p50", "p99"))
+        print(f"{'Prefill-to-decode hand-offs:':<36}{result.handoffs['handoffs']} "
+              f"({result.handoffs['kv_bytes'] / 1e9:.2f} GB of KV; stall p50 {p50} ms, p99 {p99} ms)")
     for action in result.fleet_actions:
         combos = action.get("combos", "")
         print(f"  {action['at_s']:8.1f} s  {action['kind']:<8} {combos}  {action['reason']}")
@@ -502,7 +507,7 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
              "events_processed": result.events_processed,
              "simulated_s_per_wall_s": result.simulated_s_per_wall_s, "timeline": result.timeline,
              "balance": result.balance, "cost_usd": result.cost_usd, "tokens_per_usd": result.tokens_per_usd,
-             "fleet_actions": result.fleet_actions}
+             "fleet_actions": result.fleet_actions, "handoffs": result.handoffs}
     config = {**_base_config(args, spec), "engines": args.engines if scaling is None else None,
               "plan": args.plan, "autoscale": args.autoscale, "policy": args.policy,
               "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,

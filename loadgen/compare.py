@@ -197,7 +197,7 @@ def run_comparison(
                 "sim_wall_s": result.wall_s,
                 "simulated_s_per_wall_s": result.simulated_s_per_wall_s,
                 "events_processed": result.events_processed,
-                "fleet_actions": result.fleet_actions,
+                "fleet_actions": result.fleet_actions, "handoffs": result.handoffs,
             }
             runs.append(run)
             if on_run is not None:

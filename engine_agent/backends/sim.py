@@ -28,6 +28,11 @@ failed target streamed after the cut) transfers nothing: the engine checks those
 generator and recomputes prompt + output in one prefill. Since the source frees its KV at the cut, the sim
 holds no cut's KV, so it needs no lease (`--migration-kv-lease-s`) and an `Abort` of a cut id finds nothing.
 
+Prefill role (`role="prefill"`, CAUCHY's disaggregation): the engine cuts every request after its first
+token (`SimEngine`'s `handoff`); the step's delivery appends that token and ends the stream with the cut's
+`MigratedEvent` (target "": the gateway picks a decode engine), so the ticket carries exactly one output
+token.
+
 Hidden-state tap (`engine_agent.backends.sim_tap`). Every `hidden_state_interval` decode steps (iterations
 with decoding sequences), when someone subscribes, the loop takes the decoding requests' lengths from the
 engine right after the step and builds their vectors in the default executor while it sleeps out the step
@@ -70,6 +75,7 @@ from engine_agent.sim.migration import MigrationCut
 from engine_agent.sim.profiles import Profile
 from engine_agent.sim.ticket import cut_from_ticket, ticket_for_cut
 from switchyard.clock import Clock
+from switchyard.roles import PREFILL_ROLE
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +159,7 @@ class SimBackend:
             engine_id=engine_id,
             # LENS always runs (its state vector feeds PRISM); it plans batches only with `lens_planning`.
             lens=SimLens.for_profile(profile, planning=lens_planning),
+            handoff=role == PREFILL_ROLE,
         )
         self._static = EngineStatic(
             engine_id=engine_id,
@@ -335,8 +342,20 @@ class SimBackend:
         if len(output) != cut.num_output:  # the engine and the delivery buffers disagree: a bug
             raise RuntimeError(f"request {request_id!r}: {len(output)} tokens delivered or in flight, "
                                f"the engine produced {cut.num_output}")
+        ticket = self._ticket(cut, stream, output, target,
+                              self._inflight_due_s if pending else stream.last_token_s)
+        event = MigratedEvent(ticket)
+        if pending:
+            self._deferred[request_id] = event  # after the step in flight delivers the ticket's last token
+        else:
+            self._end_stream(request_id, event)
+        self._changes.publish()
+        return ticket
+
+    def _ticket(self, cut: MigrationCut, stream: _Stream, output: tuple[int, ...], target: str,
+                cut_s: float) -> MigrationTicket:
         static = self._static
-        ticket = ticket_for_cut(
+        return ticket_for_cut(
             cut,
             stream.request,
             output,
@@ -346,15 +365,8 @@ class SimBackend:
             target=target,
             kv_bytes_per_token=self._kv_bytes_per_token,
             vocab_size=self._vocab_size,
-            cut_timestamp_s=self._inflight_due_s if pending else stream.last_token_s,
+            cut_timestamp_s=cut_s,
         )
-        event = MigratedEvent(ticket)
-        if pending:
-            self._deferred[request_id] = event  # after the step in flight delivers the ticket's last token
-        else:
-            self._end_stream(request_id, event)
-        self._changes.publish()
-        return ticket
 
     def migrate_in(self, ticket: MigrationTicket, request_id: RequestId) -> AsyncIterator[BackendEvent]:
         """Check the ticket now (`MigrationRefused`); the request is admitted on the first iteration."""
@@ -364,7 +376,9 @@ class SimBackend:
         if request_id in self._streams:
             raise MigrationRefused(f"request id {request_id!r} is already running")
         request = request_from_ticket(ticket, request_id)
-        transfer_s = 0.0 if cut.recompute else self.transfer_time_s(ticket.kv_bytes)
+        # Without KV, or resumed where it was cut (in place), nothing is pulled.
+        in_place = ticket.source_engine_id == static.engine_id
+        transfer_s = 0.0 if cut.recompute or in_place else self.transfer_time_s(ticket.kv_bytes)
         self._engine.check_migrated_request(request, cut, transfer_s)
         return self._serve(request, (cut, transfer_s, ticket.output_token_ids))
 
@@ -464,6 +478,12 @@ class SimBackend:
             stream = streams.get(request_id)
             if stream is not None and stream.end is None:
                 stream.end = event
+                touched.append(stream)
+        for cut in result.handoffs:  # the prefill role: the stream ends with the cut after its first token
+            stream = streams.get(cut.request_id)
+            if stream is not None and stream.end is None:
+                stream.end = MigratedEvent(self._ticket(cut, stream, stream.prior + tuple(stream.tokens), "",
+                                                        due_s))
                 touched.append(stream)
         if self._deferred:
             deferred, self._deferred = self._deferred, {}

@@ -21,6 +21,13 @@ Migration (cutting a decoding request, resuming one cut elsewhere) is `EngineMig
 base class in `engine_agent.sim.migration`; it shares the engine's state and adds no work to `step`
 beyond loading queued migrants at its start.
 
+Prefill role (CAUCHY's disaggregation, `handoff=True`): a request that samples its first output token in a
+step and is not finished by it is cut in that same step (`StepResult.handoffs`, `migrate_out`'s cut: prompt
+KV, one output token), so a prefill engine never decodes; the caller ends its stream with the cut after
+delivering the token, and a decode engine resumes it (`add_migrated_request`). Like vLLM's prefill instance
+(one token, then the KV is handed to the decode instance). Only a request's first token ever triggers it: a
+request migrated in (already past its first token) decodes here as on any engine.
+
 LENS (`engine_agent.sim.lens_adapter.SimLens`, optional): when attached, each step asks it for the iteration's
 token budget (Algorithm 1's plan, never above `max_batched_tokens`) before scheduling, feeds it the
 iteration record and finished requests afterwards, and `stats` carries its state vector. Without it (or with
@@ -47,7 +54,7 @@ from engine_agent.domain import (
     Usage,
 )
 from engine_agent.sim.lens_adapter import SimLens
-from engine_agent.sim.migration import EngineMigration
+from engine_agent.sim.migration import EngineMigration, MigrationCut
 from engine_agent.sim.perf_model import PerfCoefficients, iteration_time_s
 from engine_agent.sim.profiles import Profile
 from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, Seq
@@ -79,6 +86,8 @@ class StepResult:
     tokens: tuple[tuple[RequestId, int], ...]  # one token per request that produced one, in batch order
     finished: tuple[tuple[RequestId, FinishEvent], ...]
     record: IterationRecord
+    # Prefill role: requests cut after their first token in this step (their token is in `tokens`).
+    handoffs: tuple[MigrationCut, ...] = ()
 
 
 def _stable_key(*parts: object) -> int:
@@ -92,11 +101,12 @@ class SimEngine(EngineMigration):
     __slots__ = ("_profile", "_seed", "_vocab_size", "_eos", "_excluded", "_engine_id", "_coeffs", "_seqs",
                  "_running", "_waiting", "_num_waiting", "_reserved_blocks", "_pending_prefill",
                  "_running_tokens", "_free_blocks", "_order", "_iterations", "_preempted_total",
-                 "_last_iteration_s", "_changes", "_incoming", "_lens")
+                 "_last_iteration_s", "_changes", "_incoming", "_lens", "_handoff")
 
     def __init__(self, profile: Profile, *, seed: int = 0, vocab_size: int = 32000, eos_token_id: int = 2,
                  special_token_ids: frozenset[int] = frozenset(), engine_id: str = "sim-0",
-                 lens: SimLens | None = None) -> None:
+                 lens: SimLens | None = None, handoff: bool = False) -> None:
+        """`handoff`: the prefill role (see the module docstring)."""
         excluded = tuple(sorted(t for t in ({eos_token_id} | special_token_ids) if 0 <= t < vocab_size))
         if vocab_size - len(excluded) <= 0:
             raise ValueError("vocab_size leaves no token ids after excluding eos and special tokens")
@@ -123,6 +133,12 @@ class SimEngine(EngineMigration):
         self._changes = 0
         self._incoming: list[Seq] = []  # migrated requests not yet running, in arrival order
         self._lens = lens
+        self._handoff = handoff
+
+    @property
+    def handoff(self) -> bool:
+        """Whether this engine hands every request off after its first token (the prefill role)."""
+        return self._handoff
 
     @property
     def profile(self) -> Profile:
@@ -323,6 +339,7 @@ class SimEngine(EngineMigration):
         tokens: list[tuple[RequestId, int]] = []
         firsts: list[Seq] = []
         done: list[Seq] = []
+        handing: list[Seq] = []
         freed = preempted = pending_done = computed_now = context_tokens = 0
         n_pre = pre_tokens = pairs = prior = n_dec = dec_sum = dec_max = 0
         i = 0
@@ -389,6 +406,8 @@ class SimEngine(EngineMigration):
                         break
                     token += 1
             tokens.append((seq.request_id, token))
+            if k == 1 and self._handoff and k < seq.target_len:
+                handing.append(seq)
             if k == seq.target_len:
                 seq.state = DONE
                 freed += seq.num_blocks
@@ -418,6 +437,9 @@ class SimEngine(EngineMigration):
             self._free_blocks = free = free + freed
         self._pending_prefill -= pending_done
         self._running_tokens += computed_now
+        handoffs = tuple(self.migrate_out(seq.request_id, end_s) for seq in handing) if handing else ()
+        if handoffs:
+            free = self._free_blocks
         self._iterations += 1
         self._last_iteration_s = duration_s
         self._changes += 1
@@ -425,7 +447,7 @@ class SimEngine(EngineMigration):
                                  preempted)
         if lens is not None:
             lens.after_iteration(record, end_s)
-        return StepResult(duration_s, tuple(tokens), tuple(finished), record)
+        return StepResult(duration_s, tuple(tokens), tuple(finished), record, handoffs)
 
     def stats(self, now_s: float) -> EngineStats:
         """The engine's figures after the last step (the driver overrides `draining`); with LENS attached, its

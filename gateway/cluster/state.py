@@ -373,7 +373,7 @@ class ClusterState:
             last = state.last_view
             if last is None or (last.ready is not view.ready or last.ejected is not view.ejected
                                 or last.combo != view.combo or last.model != view.model
-                                or last.profile != view.profile):
+                                or last.profile != view.profile or last.role != view.role):
                 self._membership = next(_MEMBERSHIP_EPOCHS)
             state.last_view = view
             if state.report is not None and not view.stale:

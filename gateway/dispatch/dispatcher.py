@@ -372,7 +372,9 @@ class Dispatcher:
                         )
                         continue
                     self._apply(life.on_first_event(clock.now()))
-                    metrics.migrations.labels("resumed" if engine_id == ticket.target else "fallback").inc()
+                    metrics.migrations.labels(
+                        "handoff" if step.handoff else "resumed" if engine_id == ticket.target else "fallback"
+                    ).inc()
                     resumed = True
                     if not step.recompute:
                         held = None  # the resuming engine pulled the KV before its first event

@@ -39,6 +39,18 @@ from the original one and the token ids it relayed (it keeps them; this class co
 resuming engine recomputes prompt + every relayed token and streams only what follows. Each engine is tried
 at most once per ticket kind; every resumption that began counts towards `max_follows`.
 A migrated choice records no latency sample: its TTFT and end-to-end time are not one engine's.
+
+Disaggregated serving (CAUCHY, `switchyard.roles`): `route` never sends a new request to a decode-role engine
+while its model has a serving engine of another role (a prefill engine, or one that serves whole requests);
+the memo of which engines those are is keyed by `ClusterSnapshot.membership`. A prefill engine cuts each
+request after its first token; the ticket from an engine whose role is prefill is a hand-off, and `follow`
+resumes it on a decode engine of the source's combo (none serving: of any combo; none: the usual order,
+which ends on the source itself), picked by the policy among those. Its `Follow` says `handoff`.
+In-place execution (CAUCHY §3.4.2's opportunistic scheduling, for a policy whose `in_place` attribute is true,
+goodput_rr with `intra=opportunistic`): a new request may also go to an idle decode engine (it serves the
+request whole; idle: nothing of ours in flight there and nothing reported running or waiting,
+`EngineView.queue_length`), and the prefill engine itself is one of a hand-off's candidates (the policy's
+least-loaded pick may keep it there, to be decoded in place, with no KV moved).
 Later features (escalating a cascade stage, handing over to the next stage) are further events of this class,
 so the simulator runs them too.
 """
@@ -55,12 +67,14 @@ from gateway.domain import (
     ClusterSnapshot,
     EngineId,
     EngineRequest,
+    EngineView,
     Finished,
     MigrationTicket,
     RequestFeatures,
     RouteTag,
 )
 from gateway.policies.base import Policy
+from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_MAX_FOLLOWS = 4  # resumptions of one choice after migrations (moves and fallbacks together)
@@ -142,6 +156,7 @@ class Follow:
     # Resume without KV: the executor re-tickets `ticket` with the token ids it relayed (`relayed` of them)
     # and no KV, and drops nothing.
     recompute: bool = False
+    handoff: bool = False  # a prefill engine's hand-off to a decode engine (not a rescheduler's move)
 
 
 Decision = Dispatch | GiveUp
@@ -184,6 +199,49 @@ def record_dispatch(ledger: DispatchLedger, dispatch: Dispatch) -> None:
         dispatch.engine_id, f.request_id, f.prompt_tokens, f.max_tokens, f.session_id, f.now_s,
         route=dispatch.route,
     )
+
+
+_NO_ENGINES: frozenset[EngineId] = frozenset()
+_ENTRY_MEMO: dict[tuple[int, str], frozenset[EngineId]] = {}
+_ENTRY_MEMO_SIZE = 64
+
+
+def decode_only(snapshot: ClusterSnapshot, model: str) -> frozenset[EngineId]:
+    """The decode-role engines of `model` a new request must not be routed to: every one of them while the
+    model has a serving engine of another role, else none (decode engines then serve whole requests rather
+    than none at all). Memoised by `snapshot.membership` (roles are part of it)."""
+    key = (snapshot.membership, model)
+    if key[0] >= 0:
+        memo = _ENTRY_MEMO.get(key)
+        if memo is not None:
+            return memo
+    decode: list[EngineId] = []
+    other = False
+    for e in snapshot.serving(model):
+        if e.role == DECODE_ROLE:
+            decode.append(e.engine_id)
+        else:
+            other = True
+    out = frozenset(decode) if decode and other else _NO_ENGINES
+    if key[0] >= 0:
+        if len(_ENTRY_MEMO) >= _ENTRY_MEMO_SIZE:
+            _ENTRY_MEMO.clear()
+        _ENTRY_MEMO[key] = out
+    return out
+
+
+def _idle(view: EngineView | None) -> bool:
+    """Nothing of ours in flight on the engine and nothing reported running or waiting there."""
+    return view is not None and view.inflight_requests == 0 and view.queue_length == 0
+
+
+def handoff_targets(snapshot: ClusterSnapshot, model: str, source: EngineView,
+                    exclude: frozenset[EngineId]) -> frozenset[EngineId]:
+    """Where a hand-off from the prefill engine `source` may resume: the serving decode engines of its combo
+    not in `exclude`; none: of any combo (empty when no decode engine is left)."""
+    decode = [e for e in snapshot.serving(model) if e.role == DECODE_ROLE and e.engine_id not in exclude]
+    same = [e.engine_id for e in decode if source.combo and e.combo == source.combo]
+    return frozenset(same or [e.engine_id for e in decode])
 
 
 class LifeError(RuntimeError):
@@ -271,7 +329,13 @@ class ChoiceLife:
             return self._give_up()
         if not self.tried and self.budget is not None:
             self.budget.on_start(moment.now_s)
-        features = self._features(moment, frozenset(self.tried), follow=False)
+        excluded = frozenset(self.tried)
+        snapshot = moment.snapshot
+        decode = decode_only(snapshot, self.request.model)
+        if decode and getattr(policy, "in_place", False):  # idle decode engines may serve whole requests
+            decode = frozenset(e.engine_id for e in snapshot.serving(self.request.model)
+                               if e.engine_id in decode and not _idle(e))
+        features = self._features(moment, excluded | decode if decode else excluded, follow=False)
         route: RouteTag | None = None
         choose = getattr(policy, "choose", None)  # a `WeightedPolicy` (isinstance on a Protocol costs ~9 µs)
         if choose is not None:
@@ -388,7 +452,18 @@ class ChoiceLife:
         named = EngineId(ticket.target)
         if ticket.target and named in serving and named not in tried:
             engine_id = named
-        features = self._features(moment, frozenset((*tried, source)), follow=True)
+        excluded = frozenset((*tried, source))
+        source_view = moment.snapshot.get(source)
+        handoff = source_view is not None and source_view.role == PREFILL_ROLE
+        if engine_id is None and source_view is not None and handoff:  # the policy's pick among the targets
+            targets = handoff_targets(moment.snapshot, self.request.model, source_view, excluded)
+            if targets and source in serving and source not in tried and getattr(policy, "in_place", False):
+                targets |= {source}  # in place: the prefill engine may decode it itself, no KV moves
+            if targets:
+                others = frozenset(serving) - targets
+                engine_id = policy.pick(self._features(moment, (excluded - targets) | others, follow=True),
+                                        moment.snapshot)
+        features = self._features(moment, excluded, follow=True)
         if engine_id is None:
             engine_id = policy.pick(features, moment.snapshot)
         if engine_id is None and source not in tried and source in serving:
@@ -399,7 +474,8 @@ class ChoiceLife:
                 self.follow_tried = []
                 return self._follow_bare(policy, moment, ticket)
             return self._no_engine()
-        return self._open_follow(engine_id, features, ticket, self.relayed - ticket.output_tokens, False)
+        return self._open_follow(engine_id, features, ticket, self.relayed - ticket.output_tokens, False,
+                                 handoff)
 
     def _follow_bare(self, policy: Policy, moment: Moment, ticket: MigrationTicket) -> Follow | StreamFailed:
         """Resume without KV on any serving engine not tried for this kind of ticket and not dead."""
@@ -421,12 +497,13 @@ class ChoiceLife:
         ticket: MigrationTicket,
         skip_tokens: int,
         recompute: bool,
+        handoff: bool = False,
     ) -> Follow:
         self.follow_tried.append(engine_id)
         self.follows += 1
         dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried) + self.follows)
         self.current = dispatch
-        return Follow(dispatch, ticket, skip_tokens, recompute)
+        return Follow(dispatch, ticket, skip_tokens, recompute, handoff)
 
     def _no_engine(self) -> StreamFailed:
         detail = f": {self.last_error}" if self.last_error else ""

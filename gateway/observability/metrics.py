@@ -325,8 +325,9 @@ class GatewayMetrics:
         self.migrations = Counter(
             "switchyard_migrations_total",
             "Migrations by outcome: cut (an engine cut a request for this gateway), refused (the engine "
-            "would not cut it), resumed (on the named target), fallback (on another engine), failed (no "
-            "engine resumed it: the stream ended with an error)",
+            "would not cut it), resumed (on the named target), fallback (on another engine), handoff (a "
+            "prefill engine's request resumed on a decode engine), failed (no engine resumed it: the "
+            "stream ended with an error)",
             ["outcome"],
             registry=r,
         )

@@ -28,7 +28,9 @@ so no group is owed a backlog and there is no burst. Groups of weight 0 get requ
 is 0 (then all weigh 1). A group whose engines were all tried for this request (`features.exclude`) is
 skipped for the next best, without changing the weights.
 Inside the group, `intra`: "opportunistic" (§3.4.2, the least-loaded engine by `least_loaded.load_tokens`,
-ties by id) or "rr" (the group's engines in id order, by its pick count n_c).
+ties by id; and `in_place` is true: in a disaggregated combo the request life lets an idle decode engine
+serve a request whole and an idle prefill engine keep one it would hand off, see `gateway.dispatch.life`) or
+"rr" (the group's engines in id order, by its pick count n_c).
 `choose` returns the pick and the `RouteTag` the ledger counts it under (`WeightedPolicy`); `pick` the engine
 alone.
 Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state (the counts are the cluster
@@ -128,6 +130,11 @@ class GoodputRRPolicy:
     @property
     def params(self) -> GoodputRRParams:
         return self._params
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the request life may run a disaggregated combo's requests in place (`intra`)."""
+        return not self._rr
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         return self.choose(features, snapshot)[0]

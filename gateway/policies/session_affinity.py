@@ -81,6 +81,11 @@ class SessionAffinityPolicy:
     def fallback(self) -> Policy:
         return self._fallback
 
+    @property
+    def in_place(self) -> bool:
+        """The fallback's say on in-place execution in disaggregated combos (`gateway.dispatch.life`)."""
+        return bool(getattr(self._fallback, "in_place", False))
+
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         sticky = self._sticky_engine(features, snapshot)
         if sticky is not None:

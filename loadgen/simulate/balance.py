@@ -36,7 +36,7 @@ def exec_time_variance_ms2(iteration_s: Sequence[float]) -> float:
     return float(np.var(np.asarray(iteration_s, dtype=np.float64) * MS_PER_S))
 
 
-def _percentiles_ms(samples_s: Sequence[float]) -> dict[str, float | None]:
+def percentiles_ms(samples_s: Sequence[float]) -> dict[str, float | None]:
     if not samples_s:
         return {"p50": None, "p99": None, "max": None}
     data = np.asarray(samples_s, dtype=np.float64) * MS_PER_S
@@ -67,8 +67,8 @@ def balance_figures(per_engine: Mapping[str, Mapping[str, Any]], per_decider: Se
         "kv_bytes_moved": sum(int(r["kv_bytes_moved"]) for r in rows),
         "requests_moved": sum(int(r["requests_moved"]) for r in rows),
         "max_moves_per_request": max((int(r["max_moves_per_request"]) for r in rows), default=0),
-        "splice_stall_ms": _percentiles_ms([s for r in rows for s in r["splice_stall_s"]]),
-        "propose_ms": _percentiles_ms([s for r in rows for s in r["propose_s"]]),
+        "splice_stall_ms": percentiles_ms([s for r in rows for s in r["splice_stall_s"]]),
+        "propose_ms": percentiles_ms([s for r in rows for s in r["propose_s"]]),
         "preemptions": sum(int(t.get("preemptions", 0)) for t in per_engine.values()),
         "peak_kv_used_ratio": max(peaks, default=None),
         "exec_time_var_ms2": (math.fsum(row["exec_time_var_ms2"] for row in samples) / len(samples)

@@ -23,6 +23,7 @@ from gateway.domain import EngineId
 from loadgen.simulate.predictions import PredictionRounds, remaining_lengths
 from loadgen.simulate.reports import ReportFeed, describe_engine
 from loadgen.simulate.spec import LENS_STATE_POLICIES, EngineSpec, SimOptions
+from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 # Bound on the token ids held by a `PromptIds` cache (8 bytes each): beyond it, tuples are made per request.
 MAX_CACHED_PROMPT_TOKENS = 8_000_000
@@ -55,10 +56,11 @@ class SimNode:
     __slots__ = ("engine_id", "profile_name", "model", "engine", "feed", "busy", "done_s", "result",
                  "requests", "output_tokens", "busy_s", "empty_steps", "rounds", "in_flight",
                  "min_free_blocks", "migrations_out", "migrations_in", "combo", "price_usd_h",
-                 "billed_from_s", "left_s", "leave_after_s", "joined")
+                 "billed_from_s", "left_s", "leave_after_s", "joined", "role")
 
     def __init__(self, engine_id: str, profile_name: str, options: SimOptions,
-                 lens_planning: bool | None = None, combo: str = "", billed_from_s: float = 0.0) -> None:
+                 lens_planning: bool | None = None, combo: str = "", billed_from_s: float = 0.0,
+                 role: str = "") -> None:
         profile = get_profile(profile_name)
         self.engine_id = EngineId(engine_id)
         self.profile_name = profile_name
@@ -68,8 +70,10 @@ class SimNode:
                  else options.policy in LENS_STATE_POLICIES)
         lens = (SimLens.for_profile(profile, planning=planning, state_vector=state)
                 if planning or state else None)
-        self.engine = SimEngine(profile, seed=options.seed, engine_id=engine_id, lens=lens)
-        self.feed = ReportFeed(self.engine, describe_engine(engine_id, profile),
+        self.engine = SimEngine(profile, seed=options.seed, engine_id=engine_id, lens=lens,
+                                handoff=role == PREFILL_ROLE)
+        self.role = role  # `switchyard.roles`: a prefill engine hands each request off after its first token
+        self.feed = ReportFeed(self.engine, describe_engine(engine_id, profile, role=role),
                                interval_s=options.state_interval_s, delay_s=options.report_delay_s,
                                combo=combo)
         self.combo = combo
@@ -111,6 +115,8 @@ class SimNode:
                                "iterations": self.iterations()}
         if self.combo:
             out["combo"] = self.combo
+        if self.role:
+            out["role"] = self.role
         if balance:
             stats = self.engine.stats(0.0)
             total = stats.kv_blocks_total
@@ -121,14 +127,23 @@ class SimNode:
 
 
 def combo_profiles(combo_id: str, model: str) -> list[str]:
-    """The sim profiles that stand for one copy of a combo serving `model`: each side of n GPUs of type G
-    becomes n / tp engines of G at the smallest tensor-parallel degree tp that holds the model and divides
-    n (the planner merges a side into one TP-n instance; the simulator has profiles for the fitting degree
-    and the next only, so it deploys the same GPUs as data-parallel replicas: same GPUs, same price).
-    A disaggregated combo's engines all serve whole requests (the prefill-to-decode handoff is not built).
-    ValueError when no profile fits."""
-    profiles: list[str] = []
-    for side in combo_id.split("+"):
+    """The sim profiles of `combo_engines`, without their roles."""
+    return [profile for profile, _ in combo_engines(combo_id, model)]
+
+
+def combo_engines(combo_id: str, model: str) -> list[tuple[str, str]]:
+    """(sim profile, role) of each engine that stands for one copy of a combo serving `model`: each side of
+    n GPUs of type G becomes n / tp engines of G at the smallest tensor-parallel degree tp that holds the
+    model and divides n (the planner merges a side into one TP-n instance; the simulator has profiles for
+    the fitting degree and the next only, so it deploys the same GPUs as data-parallel replicas: same GPUs,
+    same price). A disaggregated combo ("PxA+DxB") has the roles prefill (its first side) and decode (its
+    second; `switchyard.roles`); an aggregated one's engines have none. ValueError when no profile fits."""
+    sides = combo_id.split("+")
+    if len(sides) > 2:
+        raise ValueError(f"bad combo id {combo_id!r}: at most two sides (prefill+decode)")
+    roles = (PREFILL_ROLE, DECODE_ROLE) if len(sides) == 2 else ("",)
+    engines: list[tuple[str, str]] = []
+    for side, role in zip(sides, roles, strict=True):
         count_text, sep, gpu = side.partition("x")
         if not sep or not count_text.isdigit() or int(count_text) < 1 or not gpu:
             raise ValueError(f"bad combo id {combo_id!r}: expected e.g. 1xh800+2xh20 or 2xa800")
@@ -136,11 +151,11 @@ def combo_profiles(combo_id: str, model: str) -> list[str]:
         for tp in TENSOR_PARALLEL_DEGREES:
             name = profile_name(gpu, model, tp)
             if count % tp == 0 and name in known_profiles():
-                profiles += [name] * (count // tp)
+                engines += [(name, role)] * (count // tp)
                 break
         else:
             raise ValueError(f"combo {combo_id!r}: no sim profile of {gpu} for {model} fits {count} GPU(s)")
-    return profiles
+    return engines
 
 
 def build_fleet(engines: Sequence[EngineSpec], options: SimOptions,
@@ -155,7 +170,8 @@ def build_fleet(engines: Sequence[EngineSpec], options: SimOptions,
         for _ in range(spec.count):
             index = counts.get(spec.profile, 0)
             counts[spec.profile] = index + 1
-            nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options, spec.lens, spec.combo))
+            nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options, spec.lens, spec.combo,
+                                 role=spec.role))
     if options.reschedule != "none":
         _attach_rounds(nodes, options)
     return nodes

@@ -34,6 +34,10 @@ Semantics (each step is the live code's, or mirrors it where the live step is I/
   resumed (on the named target), fallback (another engine), failed.
 - Splice stall: from the `Migrated` event to the request's first token on the resuming engine (the gap the
   client sees, the live `switchyard_migration_splice_stall_seconds`).
+- Hand-offs (CAUCHY's disaggregation): a prefill engine cuts a request in the iteration that samples its first
+  token (`SimEngine`'s `handoff`); `hand_off` queues its follow at that iteration's end, with no mover and no
+  limits (the live agent cuts it itself), and the follow runs as above; a resumption the life marks as a
+  hand-off counts "handoff" (the live outcome label of the same name).
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ from gateway.dispatch.life import ChoiceLife, StreamFailed, record_dispatch, rec
 from gateway.dispatch.mover import MoveError, MoveLimits, check_target
 from gateway.domain import EngineId, MigrationTicket
 from gateway.rescheduling.star import StarParams, propose
+from loadgen.simulate.balance import percentiles_ms
 from loadgen.simulate.deciders import Decider
 from loadgen.simulate.fleet import SimNode
 from loadgen.simulate.spec import SimOptions
 from switchyard.clock import Clock
 
-MIGRATION_OUTCOMES = ("cut", "refused", "resumed", "fallback", "failed")
+MIGRATION_OUTCOMES = ("cut", "refused", "resumed", "fallback", "handoff", "failed")
 BITS_PER_BYTE = 8
 
 
@@ -70,6 +75,8 @@ class MoveStats:
     moves: dict[str, int] = field(default_factory=dict)  # request -> cuts
     splice_stall_s: list[float] = field(default_factory=list)
     propose_s: list[float] = field(default_factory=list)  # wall-clock seconds per propose call
+    handoff_kv_bytes: int = 0  # KV of the prefill engines' hand-offs resumed (not in `kv_bytes_moved`)
+    handoff_stall_s: list[float] = field(default_factory=list)  # hand-offs' splice stalls (not in the above)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -83,6 +90,8 @@ class MoveStats:
             "moves": dict(self.moves),
             "splice_stall_s": list(self.splice_stall_s),
             "propose_s": list(self.propose_s),
+            "handoff_kv_bytes": self.handoff_kv_bytes,
+            "handoff_stall_s": list(self.handoff_stall_s),
         }
 
 
@@ -132,8 +141,9 @@ class Migrations:
         self._wall = wall_clock
         self._pending: list[tuple[float, int, _Pending]] = []
         self._order = 0
-        # request -> per follow: (the index of its first token on the resuming engine, when the stream ended)
-        self._marks: dict[str, list[tuple[int, float]]] = {}
+        # request -> per follow: (the index of its first token on the resuming engine, when the stream ended,
+        # whether it was a hand-off)
+        self._marks: dict[str, list[tuple[int, float, bool]]] = {}
 
     @property
     def next_follow_s(self) -> float:
@@ -205,6 +215,27 @@ class Migrations:
         item = _Pending(request_id, ticket, cut, source, decider.index)
         heapq.heappush(self._pending, (due_s, self._order, item))
 
+    # ---- the prefill role's hand-off -----------------------------------------------------------------------
+
+    def hand_off(self, node: SimNode, cuts: Sequence[MigrationCut], now_s: float) -> None:
+        """A prefill engine cut `cuts` in the iteration delivered at `now_s` (`StepResult.handoffs`), each
+        after its first token: their streams end now, with a ticket for any engine (the life's `follow` picks
+        a decode engine of the source's combo), as a live prefill agent's stream ends with `Migrated`."""
+        for cut in cuts:
+            rid = cut.request_id
+            delivered = len(self._times_of[rid])
+            if delivered != cut.num_output:  # the engine and the delivered stream disagree: a bug
+                raise RuntimeError(f"request {rid!r}: {delivered} tokens delivered, the engine handed it off "
+                                   f"after {cut.num_output}")
+            ticket = MigrationTicket(request_id=rid, source_engine_id=node.engine_id, target="",
+                                     output_tokens=cut.num_output, kv_tokens=cut.kv_tokens,
+                                     kv_bytes=cut.kv_bytes)
+            node.migrations_out += 1
+            self._order += 1
+            decider = self._info[rid][2]
+            heapq.heappush(self._pending, (now_s, self._order,
+                                           _Pending(rid, ticket, cut, node.engine_id, decider.index)))
+
     # ---- the follow ----------------------------------------------------------------------------------------
 
     def follow(self, now_s: float) -> None:
@@ -223,7 +254,6 @@ class Migrations:
         life.on_migrated(item.ticket)
         self._release(life, decider)
         request = self._requests[rid]
-        transfer_s = self.transfer_s(item.cut.kv_bytes)
         while True:
             step = life.follow(decider.policy, decider.moment(now_s))
             if isinstance(step, StreamFailed):
@@ -237,6 +267,8 @@ class Migrations:
             record_dispatch(decider.state, dispatch)
             node = self._nodes[dispatch.engine_id]
             node.feed.flush(now_s)
+            # Resumed where it was cut (in place), its KV never moves.
+            transfer_s = 0.0 if dispatch.engine_id == item.source else self.transfer_s(item.cut.kv_bytes)
             try:
                 node.engine.add_migrated_request(request, item.cut, now_s, transfer_s)
             except MigrationRefused as exc:  # live: MigrateIn answers FAILED_PRECONDITION before any event
@@ -246,11 +278,15 @@ class Migrations:
                 continue
             break
         record_outcome(decider.state, life.on_first_event(now_s))
-        stats.outcomes["resumed" if dispatch.engine_id == item.ticket.target else "fallback"] += 1
-        stats.kv_bytes_moved += item.cut.kv_bytes
+        stats.outcomes["handoff" if step.handoff else
+                       "resumed" if dispatch.engine_id == item.ticket.target else "fallback"] += 1
+        if step.handoff:
+            stats.handoff_kv_bytes += item.cut.kv_bytes if dispatch.engine_id != item.source else 0
+        else:
+            stats.kv_bytes_moved += item.cut.kv_bytes
         node.migrations_in += 1
         node.in_flight[rid] = (prompt_tokens, times)
-        self._marks.setdefault(rid, []).append((item.ticket.output_tokens, now_s))
+        self._marks.setdefault(rid, []).append((item.ticket.output_tokens, now_s, step.handoff))
         node.feed.on_change(now_s)
         if not node.busy:
             node.busy = True
@@ -267,9 +303,16 @@ class Migrations:
         marks = self._marks.pop(request_id, None)
         if marks is None:
             return
-        stalls = self.stats[decider.index].splice_stall_s
-        for index, ended_s in marks:
-            stalls.append(times[index] - ended_s)
+        stats = self.stats[decider.index]
+        for index, ended_s, handoff in marks:
+            (stats.handoff_stall_s if handoff else stats.splice_stall_s).append(times[index] - ended_s)
+
+    def handoff_figures(self) -> dict[str, Any]:
+        """The prefill engines' hand-offs over every worker: how many resumed, their KV bytes and their splice
+        stall's percentiles (ms; a failed follow counts with the migrations' "failed")."""
+        return {"handoffs": sum(stats.outcomes["handoff"] for stats in self.stats),
+                "kv_bytes": sum(stats.handoff_kv_bytes for stats in self.stats),
+                "stall_ms": percentiles_ms([s for stats in self.stats for s in stats.handoff_stall_s])}
 
     def rows(self) -> list[dict[str, Any]]:
         """Each worker's figures (`MoveStats.row`), in decider order."""

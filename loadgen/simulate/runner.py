@@ -38,6 +38,7 @@ from loadgen.simulate.migrations import Migrations, MoveStats
 from loadgen.simulate.scaling import FleetChanges, bill, plan_engines, usd_per_hour
 from loadgen.simulate.spec import EngineSpec, Scaling, SimOptions, SimResult
 from switchyard.clock import Clock, MonotonicClock
+from switchyard.roles import PREFILL_ROLE
 
 IDLE_RETRY_S = 1e-3  # an iteration that scheduled nothing is retried this much later, as the sim backend does
 MAX_EMPTY_STEPS = 100_000  # empty iterations on one engine before the run is declared stuck
@@ -101,11 +102,14 @@ class _Run:
         self.last_event_s = self.t0
         self.timeline: list[dict[str, float]] = []
         self.balance = options.records_balance
+        # Prefill engines (CAUCHY's disaggregation) hand requests off; a plan may add some later.
+        self.prefill_nodes = [node for node in nodes if node.role == PREFILL_ROLE]
+        handoffs = bool(self.prefill_nodes) or scaling is not None
         self.migrations = (
             Migrations(options, self.deciders, self.by_id, self.info, self.times_of, self.requests,
                        start_step=self._start_step, left=self.left, abandon=self._abandon,
                        wall_clock=wall_clock or MonotonicClock())
-            if options.reschedule != "none" else None)
+            if options.reschedule != "none" or handoffs else None)
         last_arrival_s = self.schedule[-1][0] if self.schedule else self.t0
         self.fleet = (FleetChanges(scaling, options, nodes, self.t0, last_arrival_s, join=self._join,
                                    leave=self._leave,
@@ -134,6 +138,8 @@ class _Run:
         self._sync(now_s)
         self.nodes.append(node)
         self.by_id[node.engine_id] = node
+        if node.role == PREFILL_ROLE:
+            self.prefill_nodes.append(node)
         self._connect(node, now_s)
 
     def _leave(self, node: SimNode, now_s: float) -> None:
@@ -154,12 +160,12 @@ class _Run:
         samples = 1
         next_sample_s = self.t0 + period_s
         i = 0
-        advance = self._advance
+        advance_all = self._advance_all
         migrations = self.migrations
         inf = math.inf
         tick_s = self.options.reschedule_interval_s
         ticks = 1
-        next_tick_s = self.t0 + tick_s if migrations is not None else inf
+        next_tick_s = self.t0 + tick_s if self.options.reschedule != "none" else inf
         fleet = self.fleet
         while i < n or any(node.busy for node in nodes) or (
                 migrations is not None and migrations.next_follow_s < inf) or (
@@ -190,9 +196,7 @@ class _Run:
                     ticks += 1
                     next_tick_s = self.t0 + ticks * tick_s
             else:
-                for node in nodes:
-                    if node.done_s <= next_sample_s:
-                        advance(node, next_sample_s)
+                advance_all(next_sample_s)
                 self._sample(next_sample_s, period_s, i / n)
                 samples += 1
                 next_sample_s = self.t0 + samples * period_s
@@ -203,16 +207,44 @@ class _Run:
 
     def _sync(self, now_s: float) -> None:
         """Bring every engine to `now_s`, then hand over what the gateway has received by then."""
-        states, advance = self.states, self._advance
+        self._advance_all(now_s)
+        self._receive(now_s)
+
+    def _receive(self, now_s: float) -> None:
+        states = self.states
         for node in self.nodes:
-            if node.done_s <= now_s:
-                advance(node, now_s)
             if node.left_s is not None:
                 continue
             got = node.feed.receive(now_s)
             if got is not None:
                 for receiver in states:  # every worker receives every report
                     receiver.on_report(node.engine_id, got[0], got[1])
+
+    def _advance_all(self, until_s: float) -> None:
+        """Every engine through its iterations completing by `until_s`. A prefill engine's iteration that
+        hands requests off is a sync point of its own (the follow picks a decode engine and that engine
+        admits the request at the hand-off's time), so with prefill engines the fleet advances from one
+        prefill completion (or pending follow) to the next, following the hand-offs due at each, before the
+        rest of the way."""
+        nodes, advance = self.nodes, self._advance
+        prefill = self.prefill_nodes
+        if prefill:
+            migrations = self.migrations
+            assert migrations is not None
+            while True:
+                at_s = min(min(node.done_s for node in prefill), migrations.next_follow_s)
+                if at_s > until_s:
+                    break
+                for node in nodes:
+                    if node.done_s <= at_s:
+                        advance(node, at_s)
+                if migrations.next_follow_s <= at_s:
+                    self._receive(at_s)
+                    while migrations.next_follow_s <= at_s:
+                        migrations.follow(at_s)
+        for node in nodes:
+            if node.done_s <= until_s:
+                advance(node, until_s)
 
     def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
         self._sync(now_s)
@@ -328,6 +360,9 @@ class _Run:
             if finished:
                 for rid, event in finished:
                     self._finish(node, rid, event, done_s)
+            if result.handoffs:
+                assert self.migrations is not None
+                self.migrations.hand_off(node, result.handoffs, done_s)
             record = result.record
             if record.kv_blocks_free_after < min_free:
                 min_free = record.kv_blocks_free_after
@@ -498,4 +533,6 @@ def simulate(
         cost_usd=cost_usd,
         tokens_per_usd=tokens / cost_usd if cost_usd > 0 else None,
         fleet_actions=run.fleet.actions if run.fleet is not None else [],
+        handoffs=(run.migrations.handoff_figures() if run.migrations is not None and run.prefill_nodes
+                  else None),
     )

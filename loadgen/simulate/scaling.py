@@ -23,7 +23,7 @@ from typing import Any
 
 from gateway.planning.autoscaler import Action, Autoscaler, QpsMeter, ScaleIn, ScaleOut, action_row
 from gateway.planning.ilp import PulpCbcSolver
-from loadgen.simulate.fleet import SimNode, combo_profiles
+from loadgen.simulate.fleet import SimNode, combo_engines
 from loadgen.simulate.spec import EngineSpec, Scaling, SimOptions
 
 
@@ -34,7 +34,8 @@ def plan_engines(scaling: Scaling) -> list[EngineSpec]:
     for combo, count in sorted(scaling.plan.combos.items()):
         for k in range(count):
             label = f"{combo}#{k}"
-            specs += [EngineSpec(profile, 1, combo=label) for profile in combo_profiles(combo, model)]
+            specs += [EngineSpec(profile, 1, combo=label, role=role)
+                      for profile, role in combo_engines(combo, model)]
     return specs
 
 
@@ -160,11 +161,11 @@ class FleetChanges:
         self._next_copy[combo] = k + 1
         label = f"{combo}#{k}"
         nodes: list[SimNode] = []
-        for profile in combo_profiles(combo, self.scaling.plan.model.name):
+        for profile, role in combo_engines(combo, self.scaling.plan.model.name):
             index = self._counts.get(profile, 0)
             self._counts[profile] = index + 1
             nodes.append(SimNode(f"{profile}-{index}", profile, self.options, combo=label,
-                                 billed_from_s=now_s))
+                                 billed_from_s=now_s, role=role))
         self.copies[(combo, k)] = nodes
         self.billed += nodes
         return nodes

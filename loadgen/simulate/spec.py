@@ -24,6 +24,7 @@ from gateway.planning.plan_file import Plan
 from gateway.rescheduling.star import StarParams
 from loadgen.metrics import Outcome
 from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment
+from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 # Policies that read the engines' LENS state vector; the simulator runs LENS's model for them by default.
 LENS_STATE_POLICIES = frozenset({"prism"})
@@ -43,13 +44,15 @@ class EngineSpec:
 
     `lens`: LENS batch planning for these engines (True "lens", False "static"); None follows
     `SimOptions.lens_planning`. `combo`: the GPU combo label they report (CAUCHY; `Scaling` gives plans'
-    engines theirs), "" = none.
+    engines theirs), "" = none. `role`: `switchyard.roles` (a prefill engine hands each request off to a
+    decode engine after its first token), "" = serves whole requests.
     """
 
     profile: str
     count: int
     lens: bool | None = None
     combo: str = ""
+    role: str = ""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -58,11 +61,13 @@ class EngineSpec:
 
 
 _LENS_MODES = {"lens": True, "static": False}
+_ROLES = (PREFILL_ROLE, DECODE_ROLE)
 
 
 def parse_engines(text: str) -> list[EngineSpec]:
-    """Parse "PROFILE:COUNT[:lens|static],..." (a bare PROFILE means one engine; the mode sets LENS batch
-    planning for that spec, overriding `SimOptions.lens_planning`); ValueError on a bad item."""
+    """Parse "PROFILE:COUNT[:MODE]...,..." (a bare PROFILE means one engine). Modes: lens|static (LENS batch
+    planning for that spec, overriding `SimOptions.lens_planning`) and prefill|decode (the engines' role,
+    `switchyard.roles`: disaggregated serving), at most one of each; ValueError on a bad item."""
     specs: list[EngineSpec] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -71,19 +76,24 @@ def parse_engines(text: str) -> list[EngineSpec]:
         profile = profile.strip()
         count = 1
         lens: bool | None = None
+        role = ""
         if sep:
-            raw_count, sep_mode, mode = raw.partition(":")
+            raw_count, *modes = raw.split(":")
             try:
                 count = int(raw_count.strip())
             except ValueError:
-                raise ValueError(f"bad engine spec {item!r}: expected PROFILE:COUNT[:lens|static], e.g. "
-                                 f"h100-llama3-8b:4") from None
-            if sep_mode:
-                if mode.strip() not in _LENS_MODES:
-                    raise ValueError(f"bad engine spec {item!r}: the mode after the count must be 'lens' or "
-                                     f"'static', got {mode.strip()!r}")
-                lens = _LENS_MODES[mode.strip()]
-        specs.append(EngineSpec(profile, count, lens))
+                raise ValueError(f"bad engine spec {item!r}: expected PROFILE:COUNT[:lens|static][:prefill|"
+                                 f"decode], e.g. h100-llama3-8b:4") from None
+            for mode in (m.strip() for m in modes):
+                if mode in _LENS_MODES and lens is None:
+                    lens = _LENS_MODES[mode]
+                elif mode in _ROLES and not role:
+                    role = mode
+                else:
+                    raise ValueError(f"bad engine spec {item!r}: each mode after the count is one of 'lens' "
+                                     f"or 'static', and 'prefill' or 'decode', at most one of each; got "
+                                     f"{mode!r}")
+        specs.append(EngineSpec(profile, count, lens, role=role))
     if not specs:
         raise ValueError(f"no engines in {text!r}: expected e.g. 'h100-llama3-8b:6,a6000-llama3-8b:2'")
     return specs
@@ -270,6 +280,8 @@ class SimResult:
     requests / `cost_usd` (None when nothing was billed); timeline rows carry `engines` (in the fleet,
     provisioning or draining included) and `usd_per_h`; `fleet_actions` are the autoscaler's actions
     (`gateway.planning.autoscaler.action_row`, times since the first arrival).
+    `handoffs`: with prefill engines in the fleet (disaggregated combos), their hand-offs to decode engines
+    (`loadgen.simulate.migrations.Migrations.handoff_figures`); None without.
     """
 
     outcomes: list[Outcome]
@@ -283,6 +295,7 @@ class SimResult:
     cost_usd: float = 0.0
     tokens_per_usd: float | None = None
     fleet_actions: list[dict[str, Any]] = field(default_factory=list)
+    handoffs: dict[str, Any] | None = None
 
     @property
     def simulated_s_per_wall_s(self) -> float:

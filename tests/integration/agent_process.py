@@ -115,3 +115,10 @@ class Agent:
     def loop_lag_line(self) -> str:
         match = re.search(r"engine loop stopped: .*", self.log())
         return match.group(0) if match else "(no loop summary)"
+
+
+def story_request(max_tokens: int, seed: int, model: str = "llama3-8b") -> dict[str, object]:
+    """A seeded sampled chat request long enough to stream for a while (the sim carries the seed's
+    generator across migrations and hand-offs, so its text is reproducible byte for byte)."""
+    return {"model": model, "messages": [{"role": "user", "content": "tell me a long story " * 20}],
+            "max_tokens": max_tokens, "seed": seed, "temperature": 1.0}

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agent_process import Agent
+from agent_process import Agent, story_request
 from openai import AsyncOpenAI
 
 from gateway.app import running
@@ -26,15 +26,7 @@ from gateway.config import GatewayConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-MODEL = "llama3-8b"
-BODY: dict[str, Any] = {
-    "model": MODEL,
-    "messages": [{"role": "user", "content": "tell me a long story " * 20}],
-    "max_tokens": 240,
-    "seed": 11,
-    "temperature": 1.0,
-    "stream": True,
-}
+BODY: dict[str, Any] = {**story_request(max_tokens=240, seed=11), "stream": True}
 CUT_AFTER_CHUNKS = 40
 
 

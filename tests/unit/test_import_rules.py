@@ -46,6 +46,7 @@ class PureCore:
 
 GATEWAY_DOMAIN = ("gateway.domain",)
 CATALOGUE = ("switchyard.hardware",)  # GPU datasheets and model shapes: the ground floor's pure data
+ROLES = ("switchyard.roles",)  # the engine roles agents and gateway agree on: constants
 AGENT_DOMAIN = ("engine_agent.domain",)
 PURE_CORES = (
     PureCore("gateway/domain.py", ()),
@@ -58,7 +59,7 @@ PURE_CORES = (
     PureCore("gateway/access", ("gateway.access", "gateway.config")),
     PureCore("gateway/admission/core.py", GATEWAY_DOMAIN),
     PureCore("gateway/dispatch/life.py", (*GATEWAY_DOMAIN, "gateway.dispatch.features", "gateway.policies",
-                                          "gateway.dispatch.retry", "gateway.cluster.health")),
+                                          "gateway.dispatch.retry", "gateway.cluster.health", *ROLES)),
     # Planners and reschedulers (CAUCHY, Cascadia, STAR, CascadeInfer) read snapshots and the engine model.
     PureCore("gateway/estimators", (*GATEWAY_DOMAIN, "gateway.estimators")),
     PureCore("gateway/planning", (*GATEWAY_DOMAIN, "gateway.planning", "gateway.estimators", *CATALOGUE)),
@@ -67,6 +68,7 @@ PURE_CORES = (
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
     PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE)),
     PureCore("switchyard/hardware.py", ()),
+    PureCore("switchyard/roles.py", ()),
 )
 
 

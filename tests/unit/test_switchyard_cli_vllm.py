@@ -151,11 +151,20 @@ def test_up_plan_starts_the_plans_engines_labelled_and_routes_by_its_goodput(
                  "--goodput-rps", "15", "--gpus", "a100:6", "--json", str(path)]) == 0
     args = checked(["--plan", str(path)])
     assert args.engines == 2 and args.policy == "goodput_rr"
-    specs = up_agent_specs(args, [profile for profile, _, _ in args.plan_specs])
+    specs = up_agent_specs(args, [e.profile for e in args.plan_specs])
     assert [s.profile for s in specs] == ["a100-llama3-8b", "a100-llama3-8b"]
     assert [s.extra_args for s in specs] == [("--combo", "1xa100#0"), ("--combo", "1xa100#1")]
     goodput = json.loads(path.read_text())["combos"][0]["goodput_rps"]
     assert plan_policy_params(args) == {"goodput": {"1xa100": goodput}}
+    # A disaggregated combo: its prefill and decode engines get their roles.
+    doc = json.loads(path.read_text())
+    doc["combos"][0]["combo"] = "1xa100+1xa100"
+    disaggregated = tmp_path / "pd.json"
+    disaggregated.write_text(json.dumps(doc))
+    args = checked(["--plan", str(disaggregated)])
+    specs = up_agent_specs(args, [e.profile for e in args.plan_specs])
+    assert [s.extra_args for s in specs] == [
+        ("--combo", f"1xa100+1xa100#{k}", "--role", role) for k in (0, 1) for role in ("prefill", "decode")]
     assert usage_error(["--plan", str(path), "--engines", "3"], capsys).endswith(
         "--plan sets the engines: drop --engines and --profile")
     assert "no such file" in usage_error(["--plan", str(tmp_path / "none.json")], capsys).lower()

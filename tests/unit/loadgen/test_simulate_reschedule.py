@@ -305,7 +305,7 @@ def test_cli_records_the_arm_of_every_run(capsys: pytest.CaptureFixture[str], tm
     assert "Migrations (cut/resumed/fallback):" in capsys.readouterr().out
     results = read_results(out)
     assert results.config["reschedule"] == "star-oracle" and results.config["kv_link_gbps"] == 25.0
-    outcomes = {"cut", "refused", "resumed", "fallback", "failed"}
+    outcomes = {"cut", "refused", "resumed", "fallback", "handoff", "failed"}
     assert results.summary["balance"]["migrations"].keys() == outcomes
     cmp_out = tmp_path / "cmp.json"
     assert main(["compare", *small, "--reschedule", "none,star", "--predictor-bins", "4",
