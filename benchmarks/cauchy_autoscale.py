@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from json_out import write_json
+
 from gateway.planning.plan_file import parse_plan
 from launcher.planning_cli import plan as plan_cli
 from loadgen.arrivals import ArrivalSpec, schedule
@@ -87,8 +89,7 @@ def main() -> None:
            "goodput_table": str(args.goodput_table), "slo": args.slo, "gpus": args.gpus,
            "stand_in": "simulated GPU; goodput measured by profile-combos on it; no prefill-decode handoff",
            "arms": arms}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(out, indent=2))
+    write_json(args.output, out)
     print(f"initial plan {dict(plan.combos)} for {demand:.2f} req/s; wrote {args.output}")
 
 

@@ -20,10 +20,10 @@ Every arm uses intra=opportunistic. Output: mean and P90 E2E, mean TTFT, and eac
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 from typing import Any
+
+from json_out import write_json
 
 from gateway.planning.combos import Slo
 from gateway.planning.cost_model import Workload
@@ -91,8 +91,7 @@ def main() -> None:
            "combos": combos, "capacity_rps": capacity, "rate_rps": rate, "load": args.load, "seed": args.seed,
            "stand_in": "simulated GPU; capacity measured by saturating one engine, not profile-combos",
            "arms": rows}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(out, indent=2))
+    write_json(args.output, out)
     print(f"capacity (req/s): {capacity}; Poisson {rate:.2f} req/s; wrote {args.output}")
 
 
