@@ -15,6 +15,7 @@ Must not: price or allocate (gateway.planning does).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -25,6 +26,12 @@ from typing import Any
 from gateway.planning.cost_model import CostModelError, gpu_efficiency, with_prices
 from gateway.planning.plan_file import PLAN_SCHEMA
 from switchyard.hardware import GPUS, MODELS, GpuSpec
+
+
+def _usage_error(prog: str, reason: str) -> int:
+    """Print `prog: error: reason` to stderr; the exit status of a refused input (2)."""
+    print(f"{prog}: error: {reason}", file=sys.stderr)
+    return 2
 
 
 def parse_prices(items: Sequence[str]) -> dict[str, float]:
@@ -199,9 +206,7 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
 
     args = build_plan_parser(prog).parse_args(argv)
 
-    def fail(reason: str) -> int:
-        print(f"{prog}: error: {reason}", file=sys.stderr)
-        return 2
+    fail = functools.partial(_usage_error, prog)
 
     try:
         catalogue = priced_catalogue(args.price)
@@ -377,9 +382,7 @@ def profile_combos(argv: Sequence[str], prog: str = "switchyard profile-combos")
 
     args = build_profile_parser(prog).parse_args(argv)
 
-    def fail(reason: str) -> int:
-        print(f"{prog}: error: {reason}", file=sys.stderr)
-        return 2
+    fail = functools.partial(_usage_error, prog)
 
     try:
         catalogue = priced_catalogue(args.price)

@@ -126,11 +126,6 @@ class SimNode:
         return out
 
 
-def combo_profiles(combo_id: str, model: str) -> list[str]:
-    """The sim profiles of `combo_engines`, without their roles."""
-    return [profile for profile, _ in combo_engines(combo_id, model)]
-
-
 def combo_engines(combo_id: str, model: str) -> list[tuple[str, str]]:
     """(sim profile, role) of each engine that stands for one copy of a combo serving `model`: each side of
     n GPUs of type G becomes n / tp engines of G at the smallest tensor-parallel degree tp that holds the

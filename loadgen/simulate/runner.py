@@ -190,7 +190,9 @@ class _Run:
                 assert migrations is not None
                 self._sync(now_s)
                 if follow_s == now_s:
-                    migrations.follow(now_s)
+                    # With prefill engines the sync has already followed what was due (`_advance_all`).
+                    while migrations.next_follow_s <= now_s:
+                        migrations.follow(now_s)
                 else:
                     migrations.tick(now_s)
                     ticks += 1

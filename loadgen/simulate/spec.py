@@ -235,7 +235,7 @@ class SimOptions:
 @dataclass(frozen=True)
 class Scaling:
     """CAUCHY's fleet over a run (paper 004, §3.5): the engines of `plan`'s combos (each copy labelled
-    "{combo}#{k}", `loadgen.simulate.fleet.combo_profiles` for its engines) instead of an engine list, and
+    "{combo}#{k}", `loadgen.simulate.fleet.combo_engines` for its engines) instead of an engine list, and
     with `autoscale` Algorithm 1 (`gateway.planning.autoscaler.Autoscaler`, `params`) fed the arrivals' QPS
     every `step_s` (`QpsMeter`, as `switchyard plan --autoscale` samples a trace): a scale-out's engines are
     billed from the decision and join when provisioned; a scale-in's drain (they take nothing new) and leave

@@ -107,3 +107,14 @@ def test_opportunistic_scheduling_decodes_in_place_on_the_prefill_engine() -> No
     assert opportunistic.handoffs["kv_bytes"] < strict.handoffs["kv_bytes"]  # ... whose KV never moved
     by_id = {o.request_id: o.output_tokens for o in strict.outcomes}
     assert {o.request_id: o.output_tokens for o in opportunistic.outcomes} == by_id
+
+
+def test_hand_offs_and_star_migrations_run_together() -> None:
+    # The sync that advances the prefill engines also follows the STAR cuts due by then; the main loop must
+    # not follow them a second time.
+    specs = [EngineSpec(H800, 1, role="prefill"), EngineSpec(H20, 2, role="decode"), EngineSpec(H800, 2)]
+    result = simulate(poisson(300, 6.0, seed=11), specs,
+                      SimOptions(policy="least_loaded", reschedule="star-oracle"))
+    assert all(o.success for o in result.outcomes) and len(result.outcomes) == 300
+    assert result.handoffs is not None and result.handoffs["handoffs"] > 0
+    assert result.balance is not None and result.balance["migrations"]["cut"] > 0

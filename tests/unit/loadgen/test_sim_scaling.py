@@ -18,7 +18,7 @@ from launcher.planning_cli import autoscale_timeline
 from launcher.planning_cli import plan as plan_cli
 from loadgen.datasets import Request
 from loadgen.simulate import Scaling, SimOptions, simulate
-from loadgen.simulate.fleet import combo_profiles
+from loadgen.simulate.fleet import combo_engines
 from switchyard.hardware import GPUS, MODELS
 
 H100 = "h100-llama3-8b"
@@ -32,6 +32,10 @@ def one_h100_plan() -> Plan:
 def steady(rate: float, seconds: float, start: float = 0.0, prefix: str = "r") -> list[tuple[float, Request]]:
     n = int(rate * seconds)
     return [(start + i / rate, Request(f"{prefix}{i}", 100, output_tokens=20)) for i in range(n)]
+
+
+def combo_profiles(combo_id: str, model: str) -> list[str]:
+    return [profile for profile, _ in combo_engines(combo_id, model)]
 
 
 def test_combo_profiles() -> None:
