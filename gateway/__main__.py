@@ -121,11 +121,26 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
         dest="plan_file",
         help="a `switchyard plan --json` file (CAUCHY): served at GET /v1/plan next to the fleet's combos",
     )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        default=None,
+        help="run CAUCHY's combo autoscaler on the measured QPS (needs --plan): decisions at GET /v1/plan "
+        "(`switchyard up --plan --autoscale` applies them too)",
+    )
+    p.add_argument(
+        "--autoscale-param",
+        action="append",
+        metavar="KEY=VALUE",
+        help="autoscaler parameter: step_s, ratio, local_window_s, global_window_s, provisioning_s, grace_s; "
+        "repeatable",
+    )
     p.add_argument("--worker-spec", metavar="PATH", help=argparse.SUPPRESS)  # a supervisor's worker
     return p
 
 
-def _policy_params(items: Sequence[str], what: str = "policy.params") -> dict[str, Any]:
+def key_values(items: Sequence[str], what: str = "policy.params") -> dict[str, Any]:
+    """KEY=VALUE flags as a mapping; a VALUE that parses as JSON is that value, else the string."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -170,16 +185,23 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.policy is not None:
         policy["name"] = args.policy
     if args.policy_param:
-        policy["params"] = _policy_params(args.policy_param)
+        policy["params"] = key_values(args.policy_param)
     if policy:
         out["policy"] = policy
     reschedule: dict[str, Any] = {}
     if args.reschedule is not None:
         reschedule["policy"] = args.reschedule
     if args.reschedule_param:
-        reschedule["params"] = _policy_params(args.reschedule_param, what="reschedule.params")
+        reschedule["params"] = key_values(args.reschedule_param, what="reschedule.params")
     if reschedule:
         out["reschedule"] = reschedule
+    autoscale: dict[str, Any] = {}
+    if args.autoscale is not None:
+        autoscale["enabled"] = args.autoscale
+    if args.autoscale_param:
+        autoscale |= key_values(args.autoscale_param, what="autoscale")
+    if autoscale:
+        out["autoscale"] = autoscale
     slo = {k: v for k, v in (("ttft_ms", args.slo_ttft_ms), ("tpot_ms", args.slo_tpot_ms)) if v is not None}
     if slo:
         out["slo"] = slo

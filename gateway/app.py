@@ -21,6 +21,7 @@ import random
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from typing import Any
 
 from aiohttp import web
 
@@ -43,9 +44,12 @@ from gateway.engines.base import EngineClient
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.engines.grpc_link import load_engine_link
 from gateway.engines.openai_upstream import OpenAIUpstreamClient
+from gateway.fleet.autoscale import Actuator, AutoscaleLoop
 from gateway.observability.loop_lag import lag_monitor_ctx
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.siblings import SiblingScrape
+from gateway.planning.autoscaler import AutoscalerParams
+from gateway.planning.plan_file import parse_plan
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.rescheduling.star import StarParams
 from gateway.rescheduling.star import propose as star_propose
@@ -78,9 +82,11 @@ def build_app(
     wall_clock: Clock | None = None,
     rng: random.Random | None = None,
     worker: WorkerSpec | None = None,
+    actuator: Actuator | None = None,
 ) -> web.Application:
     """The gateway app. `engine_clients` replaces the engines and upstreams of `config` (tests, embedding);
-    `worker`: this app is one of a multi-worker gateway's (see the module docstring)."""
+    `worker`: this app is one of a multi-worker gateway's (see the module docstring); `actuator`: what
+    applies the autoscaler's actions (`config.autoscale`; `switchyard up` passes its local fleet)."""
     clock = clock or MonotonicClock()
     log_effective_config(config, log)
     try:
@@ -91,17 +97,15 @@ def build_app(
     metrics.workers.set(config.workers)
     access = AccessGate.from_file(config.api_keys_file, metrics, clock)  # ConfigError naming file and entry
     scrape = SiblingScrape(metrics, worker.sibling_sockets()) if worker is not None else None
+    link = load_engine_link(config.engine_link)
+
+    def grpc_client(address: str) -> EngineClient:
+        return GrpcEngineClient(address, multiplex=config.engine_streams == "session", link=link)
+
     clients: dict[EngineId, EngineClient] = (
         dict(engine_clients)
         if engine_clients is not None
-        else {
-            EngineId(address): GrpcEngineClient(
-                address,
-                multiplex=config.engine_streams == "session",
-                link=load_engine_link(config.engine_link),
-            )
-            for address in config.engines
-        }
+        else {EngineId(address): grpc_client(address) for address in config.engines}
     )
     o, r = config.outlier, config.retry
     store = ClusterStore(
@@ -141,6 +145,7 @@ def build_app(
         metrics,
         enabled=a.enabled,
     )
+    plan_document = load_plan_document(config.plan_file) if config.plan_file is not None else None
     handlers = ApiHandlers(
         config=config,
         dispatcher=dispatcher,
@@ -151,7 +156,7 @@ def build_app(
         wall_clock=wall_clock or WallClock(),
         access=access,
         exposition=scrape.exposition if scrape is not None else None,
-        plan=load_plan_document(config.plan_file) if config.plan_file is not None else None,
+        plan=plan_document,
     )
     app = web.Application(middlewares=[openai_error_middleware])
     app[CONFIG_KEY] = config
@@ -179,6 +184,14 @@ def build_app(
             log.warning("admin endpoints on (/admin/*) and no API key file: anyone can call them")
     upstreams = () if engine_clients is not None else config.upstreams
     app.cleanup_ctx.append(_engines_ctx(upstreams))
+    if config.autoscale.enabled and plan_document is not None:
+        autoscale = _autoscale_loop(
+            config, plan_document, handlers, store, grpc_client, clock, metrics, actuator
+        )
+        handlers.autoscale_view = autoscale.view
+        app.cleanup_ctx.append(_background_ctx(autoscale.run, "autoscaler"))  # unwound before the engines'
+        if actuator is None:
+            log.warning("autoscale without an actuator: decisions are published at GET /v1/plan, not applied")
     app.cleanup_ctx.append(lag_monitor_ctx(metrics.loop_lag.observe))  # switchyard_event_loop_lag_seconds
     app.cleanup_ctx.append(_background_ctx(stall_watch.run, "stall-watch"))
     if worker is not None and scrape is not None:
@@ -187,6 +200,35 @@ def build_app(
     app.on_shutdown.append(_begin_drain)
     app.on_cleanup.append(_end_drain)
     return app
+
+
+def _autoscale_loop(
+    config: GatewayConfig,
+    plan_document: Mapping[str, Any],
+    handlers: ApiHandlers,
+    store: ClusterStore,
+    make_client: Callable[[str], EngineClient],
+    clock: Clock,
+    metrics: GatewayMetrics,
+    actuator: Actuator | None,
+) -> AutoscaleLoop:
+    a = config.autoscale
+    try:
+        params = AutoscalerParams(a.ratio, a.local_window_s, a.global_window_s, a.provisioning_s, a.grace_s,
+                                  a.min_copies)
+    except ValueError as e:
+        raise ConfigError(f"autoscale: {e}") from e
+    return AutoscaleLoop(
+        parse_plan(plan_document),
+        params=params,
+        step_s=a.step_s,
+        arrivals=lambda: handlers.arrivals,
+        store=store,
+        make_client=make_client,
+        clock=clock,
+        metrics=metrics,
+        actuator=actuator,
+    )
 
 
 def _star_proposer(policy: str, params: Mapping[str, float | int | bool]) -> Proposer:

@@ -177,6 +177,28 @@ class RescheduleConfig(_Frozen):
     params: dict[str, float | int | bool] = Field(default_factory=dict)
 
 
+class AutoscaleConfig(_Frozen):
+    """CAUCHY's combo autoscaler in the gateway (gateway.fleet.autoscale; Algorithm 1 in
+    gateway.planning.autoscaler): it needs `plan_file` (what is deployed, and what to re-plan over) and one
+    gateway process (it counts the arrivals; a worker of several sees only its share)."""
+
+    enabled: bool = False
+    step_s: float = Field(10.0, gt=0)  # one QPS sample (arrivals / step_s) per step
+    # Algorithm 1's parameters (gateway.planning.autoscaler.AutoscalerParams), the paper's defaults.
+    ratio: float = Field(0.2, gt=0, lt=1)
+    local_window_s: float = Field(120.0, gt=0)
+    global_window_s: float = Field(1800.0, gt=0)
+    provisioning_s: float = Field(90.0, ge=0)
+    grace_s: float = Field(30.0, ge=0)
+    min_copies: int = Field(1, ge=0)  # a scale-in keeps at least this many combo copies
+
+    @model_validator(mode="after")
+    def _windows(self) -> AutoscaleConfig:
+        if self.local_window_s > self.global_window_s:
+            raise ValueError("local_window_s must be <= global_window_s")
+        return self
+
+
 class GatewayConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
@@ -216,16 +238,23 @@ class GatewayConfig(_Frozen):
     enable_admin: bool = False
     # A `switchyard plan --json` file (CAUCHY): at GET /v1/plan with the fleet's combos; None: no plan.
     plan_file: str | None = Field(None, min_length=1)
+    autoscale: AutoscaleConfig = AutoscaleConfig()
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> GatewayConfig:
         for name, values in (("engines", self.engines), ("upstreams", self.upstreams)):
             if len(set(values)) != len(values):
                 raise ValueError(f"{name}: duplicate entries")
+        if self.autoscale.enabled and self.plan_file is None:
+            raise ValueError("autoscale needs plan_file (--plan PATH): the deployed combos and candidates")
+        if self.autoscale.enabled and self.workers != 1:
+            raise ValueError("autoscale runs in a one-process gateway (workers: 1): it counts the arrivals, "
+                             "and each worker of several sees only its share")
         return self
 
 
-def _format_errors(exc: ValidationError) -> str:
+def format_errors(exc: ValidationError) -> str:
+    """A validation error as one line: `path: message; ...`."""
     lines = []
     for err in exc.errors(include_url=False):
         path = ".".join(str(p) for p in err["loc"]) or "<root>"
@@ -319,7 +348,7 @@ def build_config(
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from e
+        raise ConfigError(format_errors(e)) from e
 
 
 def log_effective_config(config: GatewayConfig, logger: logging.Logger) -> None:

@@ -39,11 +39,19 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import orjson
+from pydantic import ValidationError
 
-from gateway.__main__ import configure_logging, loop_factory
+from gateway.__main__ import configure_logging, key_values, loop_factory
 from gateway.__main__ import main as gateway_main
-from gateway.app import serve
-from gateway.config import ConfigError, GatewayConfig, PolicyConfig, RescheduleConfig
+from gateway.app import build_app, serve
+from gateway.config import (
+    AutoscaleConfig,
+    ConfigError,
+    GatewayConfig,
+    PolicyConfig,
+    RescheduleConfig,
+    format_errors,
+)
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.workers.supervisor import WorkerFailed, supervise
 from launcher.local_fleet import (
@@ -52,6 +60,7 @@ from launcher.local_fleet import (
     AgentSpec,
     Backend,
     FleetError,
+    LocalActuator,
     LocalFleet,
     plan_agents,
 )
@@ -105,6 +114,20 @@ def build_up_parser() -> argparse.ArgumentParser:
         help="a `switchyard plan --json` file: one sim agent per engine of its combos (labelled --combo "
         "C#k), the gateway serving it at GET /v1/plan and routing by goodput_rr with its goodput",
     )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="with --plan: the gateway runs CAUCHY's combo autoscaler on the measured QPS and this command "
+        "applies it, starting a scale-out's copies as new sim agents and draining a scale-in's",
+    )
+    p.add_argument(
+        "--autoscale-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="autoscaler parameter (step_s, ratio, local_window_s, global_window_s, provisioning_s, "
+        "grace_s); repeatable",
+    )
     p.add_argument("--base-agent-port", type=int, default=50051, help="agent i listens on this + i")
     p.add_argument(
         "--startup-timeout-s",
@@ -138,6 +161,10 @@ def build_up_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Under --autoscale a released agent drains this long at most: its requests finish (a scale-in loses none).
+AUTOSCALE_DRAIN_S = 600.0
+
+
 def star_agent_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The agent flags `--reschedule` needs: prediction rounds (`star`) or current lengths (`star-nopred`)."""
     if args.reschedule == "star":
@@ -153,6 +180,7 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     directory); under --plan, `plan_specs` (`plan_engine_specs`) and `engines` from the plan."""
     backend: Backend = args.backend
     args.plan_specs = None
+    args.autoscale_config = None
     if backend == "vllm":
         if not args.model:
             parser.error(
@@ -178,6 +206,20 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         except (OSError, ValueError) as e:
             parser.error(f"--plan {args.plan}: {str(e).splitlines()[0]}")
         args.engines = len(args.plan_specs)
+    if args.autoscale_param and not args.autoscale:
+        parser.error("--autoscale-param is for --autoscale")
+    if args.autoscale:
+        if args.plan is None:
+            parser.error("--autoscale needs --plan PATH (what is deployed, and what to re-plan over)")
+        if args.gateway_workers != 1:
+            parser.error("--autoscale runs a one-process gateway: drop --gateway-workers")
+        try:
+            args.autoscale_config = AutoscaleConfig(
+                enabled=True, **key_values(args.autoscale_param, what="--autoscale-param"))
+        except ValidationError as e:
+            parser.error(f"--autoscale-param: {format_errors(e)}")
+        except ConfigError as e:
+            parser.error(f"--autoscale-param: {e}")
     if args.engines is None:
         args.engines = DEFAULT_ENGINES[backend]
     if args.policy is None:
@@ -263,7 +305,8 @@ def up_agent_specs(args: argparse.Namespace, profiles: Sequence[str]) -> list[Ag
         args.host,
         backend=args.backend,
         model=args.model,
-        extra_args=star_agent_args(args),
+        extra_args=(*star_agent_args(args),
+                    *(("--drain-grace-s", f"{AUTOSCALE_DRAIN_S:g}") if args.autoscale else ())),
     )
     if args.plan_specs is not None:  # each engine reports its combo copy (and its role in it)
         specs = [dataclasses.replace(spec, extra_args=(*spec.extra_args, "--combo", planned.combo,
@@ -322,13 +365,19 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
             workers=args.gateway_workers,
             log_level=args.log_level,
             reschedule=RescheduleConfig(policy=args.reschedule),
+            autoscale=args.autoscale_config or AutoscaleConfig(),
         )
+        app = None
+        if config.autoscale.enabled:  # this process applies the gateway's decisions to its local fleet
+            actuator = LocalActuator(fleet, next_port=args.base_agent_port + len(specs), host=args.host,
+                                     agent_args=star_agent_args(args), drain_s=AUTOSCALE_DRAIN_S)
+            app = build_app(config, actuator=actuator)
 
         def announce(base_url: str) -> None:
             print(banner(base_url, specs, models, args.policy), flush=True)
 
         if config.workers == 1:
-            await serve(config, stop=stop, on_listening=announce, handle_signals=False)
+            await serve(config, stop=stop, on_listening=announce, handle_signals=False, app=app)
         else:
             await supervise(config, stop=stop, on_listening=announce, handle_signals=False)
         return 0

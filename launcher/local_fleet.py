@@ -3,7 +3,8 @@
 Owns: spawning `python -m engine_agent --backend sim --profile P ...` or `... --backend vllm --model DIR ...`
 children, waiting until each serves (grpc.health.v1 SERVING, while watching that the child has not exited;
 vLLM on a CPU takes a minute or more to start, so the default wait depends on the backend), and stopping
-them (SIGTERM, wait, SIGKILL, always reaped).
+them (SIGTERM, wait, SIGKILL, always reaped); adding and removing agents while it runs (`add`, `remove`), and
+`LocalActuator`, the autoscaler's actuator that does so for `switchyard up --plan --autoscale`.
 Must not: route or proxy requests, or leave a child running when its owner stops (callers use `LocalFleet` as
 an async context manager or call `stop()` in a finally).
 """
@@ -11,6 +12,8 @@ an async context manager or call `stop()` in a finally).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from types import TracebackType
 from typing import Literal
 
 from engine_agent.processes import AgentProcessError, terminate, wait_serving
+from gateway.fleet.autoscale import CopySpec
 
 # An agent could not be started (it exited, or did not serve in time); the launcher's name for it.
 FleetError = AgentProcessError
@@ -152,6 +156,28 @@ class LocalFleet:
             stdin=asyncio.subprocess.DEVNULL,
         )
 
+    async def add(self, specs: Sequence[AgentSpec]) -> None:
+        """Start more agents and wait until they serve; on failure or cancellation, stop them again."""
+        started: list[AgentSpec] = []
+        try:
+            for spec in specs:
+                self.processes[spec.engine_id] = await self.spawn(spec)
+                self.specs.append(spec)
+                started.append(spec)
+            await asyncio.gather(*(
+                wait_serving(s.address, self.processes[s.engine_id], self.start_timeout_s(s)) for s in specs
+            ))
+        except BaseException:
+            await self.remove([s.address for s in started], grace_s=self._stop_grace_s)
+            raise
+
+    async def remove(self, addresses: Sequence[str], *, grace_s: float) -> None:
+        """Stop the agents at `addresses` (SIGTERM: they drain; SIGKILL after `grace_s`), reaped."""
+        gone = [s for s in self.specs if s.address in set(addresses)]
+        procs = [self.processes.pop(s.engine_id) for s in gone if s.engine_id in self.processes]
+        self.specs = [s for s in self.specs if s not in gone]
+        await asyncio.gather(*(terminate(p, grace_s) for p in procs), return_exceptions=True)
+
     async def stop(self) -> None:
         procs = list(self.processes.values())
         await asyncio.gather(*(terminate(p, self._stop_grace_s) for p in procs), return_exceptions=True)
@@ -168,3 +194,53 @@ class LocalFleet:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
+
+
+class LocalActuator:
+    """`switchyard up --plan --autoscale`'s hands (`gateway.fleet.autoscale.Actuator`): each copy of a combo
+    as sim agents of `fleet` on this machine (`loadgen.simulate.fleet.combo_engines`: the simulator's engines
+    for it), labelled `--combo C#k` with their roles, on the next free ports from `next_port`. Agents drain
+    for up to `drain_s` when released (SIGTERM; they finish what they hold, then exit)."""
+
+    name = "local"
+
+    def __init__(self, fleet: LocalFleet, *, next_port: int, host: str = "127.0.0.1",
+                 agent_args: Sequence[str] = (), drain_s: float = 600.0) -> None:
+        self._fleet = fleet
+        self._next_port = next_port
+        self._host = host
+        self._agent_args = tuple(agent_args)
+        self._drain_s = drain_s
+        self._next_id = len(fleet.specs)
+
+    def _free_port(self) -> int:
+        taken = {s.port for s in self._fleet.specs}
+        while True:
+            port = self._next_port
+            self._next_port += 1
+            if port > 65535:
+                raise FleetError("no free port left for a new agent")
+            if port in taken:
+                continue
+            with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
+                try:
+                    probe.bind((self._host, port))
+                except OSError:
+                    continue
+            return port
+
+    async def provision(self, copy: CopySpec) -> list[str]:
+        from loadgen.simulate.fleet import combo_engines  # noqa: PLC0415 (the catalogue of sim profiles)
+
+        specs: list[AgentSpec] = []
+        for profile, role in combo_engines(copy.combo, copy.model):
+            specs.append(AgentSpec(
+                f"engine-{self._next_id}", profile, self._free_port(), self._host,
+                extra_args=(*self._agent_args, "--combo", copy.label, *(("--role", role) if role else ()),
+                            "--drain-grace-s", f"{self._drain_s:g}")))
+            self._next_id += 1
+        await self._fleet.add(specs)
+        return [s.address for s in specs]
+
+    async def release(self, label: str, addresses: Sequence[str]) -> None:
+        await self._fleet.remove(addresses, grace_s=self._drain_s + 5.0)

@@ -88,6 +88,9 @@ class ApiHandlers:
     # What `/metrics` answers when not this process's registry alone (a worker: the whole gateway's).
     exposition: Callable[[], Awaitable[bytes]] | None = None
     plan: Mapping[str, Any] | None = None  # the `plan_file` document (CAUCHY), served at GET /v1/plan
+    # The autoscaler's state for GET /v1/plan (gateway.fleet.autoscale), when it runs.
+    autoscale_view: Callable[[], dict[str, Any]] | None = None
+    arrivals: int = 0  # requests received for a served model (the autoscaler's QPS counts them)
     draining: bool = False
     _inflight_ids: set[str] = field(default_factory=set)
     _inflight_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -129,8 +132,8 @@ class ApiHandlers:
 
     async def get_plan(self, request: web.Request) -> web.Response:
         """The configured plan (`plan_file`) and the fleet as it is, by combo: what was planned next to what
-        serves. 404 without a plan. The autoscaler does not run in the live gateway (yet): `autoscale` is
-        false."""
+        serves. 404 without a plan. `autoscale`: false, or the autoscaler's target combos, QPS, copies and
+        action timeline (`gateway.fleet.autoscale.AutoscaleLoop.view`)."""
         try:
             self.access.authenticate(request.headers)
         except ApiError as e:
@@ -147,7 +150,8 @@ class ApiHandlers:
                 kind = combo_type(label)
                 serving[kind] = serving.get(kind, 0) + 1
         body = {"object": "plan", "plan": self.plan, "planned_combos": planned, "serving_combos": serving,
-                "fleet": fleet, "autoscale": False}
+                "fleet": fleet,
+                "autoscale": self.autoscale_view() if self.autoscale_view is not None else False}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -208,6 +212,7 @@ class ApiHandlers:
             hints = self.access.hints(key, hints, "x-priority" in request.headers)
             self.access.check_model(key, parsed.model)
             self._check_model(parsed.model)
+            self.arrivals += 1
             self._check_context(parsed)
             model_label = parsed.model
             reqs = engine_requests(

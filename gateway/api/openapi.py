@@ -104,7 +104,8 @@ def openapi_document() -> dict[str, Any]:
             ),
             "/v1/completions": _inference("Text completion", refs[(CompletionRequest, "validation")]),
             "/v1/models": _get("Served models", "application/json"),
-            "/v1/plan": _get("The configured CAUCHY plan next to the fleet by combo (404 without a plan)",
+            "/v1/plan": _get("The configured CAUCHY plan next to the fleet by combo, and the autoscaler's "
+                             "state when it runs (404 without a plan)",
                              "application/json"),
             "/health": _get("Readiness (503 while no engine is ready or while draining)", "application/json"),
             "/metrics": _get("Prometheus exposition", "text/plain"),

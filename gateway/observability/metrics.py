@@ -374,6 +374,22 @@ class GatewayMetrics:
             ["policy", "reason"],
             registry=r,
         )
+        # CAUCHY's autoscaler (gateway.fleet.autoscale), only with autoscale on.
+        self.autoscale_actions = Counter(
+            "switchyard_autoscale_actions_total",
+            "Autoscaler decisions by kind (ScaleOut, ScaleIn, Blocked: the GPUs left cannot cover a deficit)",
+            ["kind"],
+            registry=r,
+        )
+        self.autoscale_qps = Gauge(
+            "switchyard_autoscale_qps", "The autoscaler's last QPS sample (requests received per second)",
+            registry=r,
+        )
+        self.autoscale_usd_per_hour = Gauge(
+            "switchyard_autoscale_usd_per_hour",
+            "What the autoscaler's fleet costs per hour (its combos at their prices, draining ones included)",
+            registry=r,
+        )
         self.workers = Gauge(
             "switchyard_gateway_workers", "Worker processes serving this gateway's port", registry=r
         )

@@ -7,7 +7,7 @@
     `Solver` seam). The new combos serve `provisioning_s` later. When the GPUs left cannot cover Δ, a
     `Blocked` action says so (the paper's `avail_resources(R) >= Δ`) and nothing changes;
   - an excess removes combos, largest first, while the rest still carries the window's QPS (Line 16,
-    "closest excess capacity"). They drain for `grace_s`, then leave.
+    "closest excess capacity") and at least `min_copies` stay. They drain for `grace_s`, then leave.
 - after `global_window_s` without an action (Lines 22-27), the whole fleet is re-planned for the global
   window's mean QPS and reconciled: make before break. Combos to add are provisioned first; those to remove
   leave only once the new ones serve, plus the drain grace. Nothing happens when the plan is the current
@@ -34,6 +34,9 @@ class AutoscalerParams:
     global_window_s: float = 1800.0
     provisioning_s: float = 90.0
     grace_s: float = 30.0
+    # A scale-in never leaves fewer copies deployed than this (Algorithm 1 would remove every combo at zero
+    # load, and a live fleet of none fails every request until the next scale-out).
+    min_copies: int = 1
 
     def __post_init__(self) -> None:
         if not (0 < self.ratio < 1):
@@ -42,6 +45,8 @@ class AutoscalerParams:
             raise ValueError("need 0 < local_window_s <= global_window_s")
         if self.provisioning_s < 0 or self.grace_s < 0:
             raise ValueError("provisioning_s and grace_s must be >= 0")
+        if self.min_copies < 0:
+            raise ValueError(f"min_copies must be >= 0, got {self.min_copies}")
 
 
 class QpsMeter:
@@ -206,11 +211,14 @@ class Autoscaler:
         """Remove combos, the largest that fits first, while what stays carries the window's mean."""
         removed: Counter[str] = Counter()
         keep = q_total
+        left = sum(self.deployed.values())
         for k in sorted(self.deployed, key=lambda k: (-self._by_id[k].goodput_rps, k)):
             goodput = self._by_id[k].goodput_rps
-            while self.deployed[k] - removed[k] > 0 and keep - goodput >= q_avg:
+            while (self.deployed[k] - removed[k] > 0 and keep - goodput >= q_avg
+                   and left > self.params.min_copies):
                 removed[k] += 1
                 keep -= goodput
+                left -= 1
         if not removed:
             return None
         self.deployed.subtract(removed)

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROFILE = "h100-llama3-8b"  # the fastest simulated iterations (~7 ms per decode step)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -48,7 +48,7 @@ class Agent:
         """Start `python -m engine_agent --backend sim` on a free loopback port; returns once SERVING.
         `credentials`: how the health probe connects (an agent with --tls-cert); `env`: the agent's whole
         environment (default: this process's)."""
-        port = _free_port()
+        port = free_port()
         log_path = tmp / f"agent-{port}.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(

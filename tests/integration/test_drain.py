@@ -32,7 +32,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from agent_process import REPO, Agent, _free_port
+from agent_process import REPO, Agent, free_port
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -185,7 +185,7 @@ async def until(probe: Callable[[], bool | Awaitable[bool]], what: str, timeout_
 @contextlib.asynccontextmanager
 async def gateway(engines: list[str], tmp: Path, *extra: str) -> AsyncIterator[Gateway]:
     """A gateway over `engines` (round robin), yielded once /health reports every engine ready."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp / "gateway.log"
     log_file = await asyncio.to_thread(log_path.open, "wb")
     try:

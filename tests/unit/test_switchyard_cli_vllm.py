@@ -168,3 +168,31 @@ def test_up_plan_starts_the_plans_engines_labelled_and_routes_by_its_goodput(
     assert usage_error(["--plan", str(path), "--engines", "3"], capsys).endswith(
         "--plan sets the engines: drop --engines and --profile")
     assert "no such file" in usage_error(["--plan", str(tmp_path / "none.json")], capsys).lower()
+
+
+def test_up_autoscale_needs_a_plan_and_one_gateway_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launcher.cli import up_agent_specs
+    from launcher.planning_cli import plan
+
+    path = tmp_path / "plan.json"
+    assert plan(["--model", "llama3-8b", "--workload", "in=1000,out=500", "--slo", "ttft=1000,tpot=30",
+                 "--goodput-rps", "15", "--gpus", "a100:6", "--json", str(path)]) == 0
+    args = checked(["--plan", str(path), "--autoscale", "--autoscale-param", "local_window_s=60",
+                    "--autoscale-param", "min_copies=2"])
+    assert args.autoscale_config.enabled and args.autoscale_config.local_window_s == 60
+    assert args.autoscale_config.min_copies == 2
+    specs = up_agent_specs(args, [e.profile for e in args.plan_specs])
+    assert specs[0].extra_args == ("--drain-grace-s", "600", "--combo", "1xa100#0")  # released agents drain
+    assert checked(["--plan", str(path)]).autoscale_config is None
+    assert usage_error(["--autoscale"], capsys).endswith("--autoscale needs --plan PATH "
+                                                         "(what is deployed, and what to re-plan over)")
+    assert usage_error(["--plan", str(path), "--autoscale", "--gateway-workers", "2"], capsys).endswith(
+        "--autoscale runs a one-process gateway: drop --gateway-workers")
+    assert usage_error(["--plan", str(path), "--autoscale-param", "ratio=0.5"], capsys).endswith(
+        "--autoscale-param is for --autoscale")
+    assert "autoscale-param: ratio: Input should be less than 1" in usage_error(
+        ["--plan", str(path), "--autoscale", "--autoscale-param", "ratio=2"], capsys)
+    assert "windo: Extra inputs are not permitted" in usage_error(
+        ["--plan", str(path), "--autoscale", "--autoscale-param", "windo=2"], capsys)

@@ -78,6 +78,15 @@ def test_a_fall_scales_in_keeping_the_load_and_the_gpus_until_drained() -> None:
     assert a.gpus_in_use(actions[0].gone_at_s)["h20"] == 1
 
 
+def test_a_scale_in_keeps_min_copies_even_at_zero_load() -> None:
+    a = scaler({"1xh20": 3})
+    actions = run(a, lambda t: 0.0, 130)
+    assert len(actions) == 1 and isinstance(actions[0], ScaleIn) and actions[0].combos == {"1xh20": 2}
+    none_left = Autoscaler(CANDIDATES, {"a800": 4, "h20": 4}, PulpCbcSolver(), {"1xh20": 3},
+                           params=AutoscalerParams(min_copies=0))
+    assert [x.combos for x in run(none_left, lambda t: 0.0, 130) if isinstance(x, ScaleIn)] == [{"1xh20": 3}]
+
+
 def test_refinement_makes_before_it_breaks() -> None:
     """AIBrix #637: scale-down that finishes before scale-up. A fleet of small combos re-planned onto big
     ones: the small ones leave only after the big ones serve."""

@@ -142,9 +142,11 @@ def test_merging_no_sibling_gives_the_worker_exposition_back() -> None:
 def test_every_gauge_is_classified_shared_or_per_process() -> None:
     """A new gauge must be put in SHARED_GAUGES when every worker reports it alike (or here when it is the
     process's own): a merged scrape sums the others, which would multiply a shared one by N."""
-    # Each worker ejects, and queues at its admission gate, on its own.
+    # Each worker ejects, and queues at its admission gate, on its own; the autoscaler runs in a one-process
+    # gateway only.
     per_process = {
-        "switchyard_requests_in_flight", "switchyard_engine_ejected", "switchyard_gateway_queue_depth"
+        "switchyard_requests_in_flight", "switchyard_engine_ejected", "switchyard_gateway_queue_depth",
+        "switchyard_autoscale_qps", "switchyard_autoscale_usd_per_hour",
     }
     metrics = GatewayMetrics()
     metrics.observe_request("m", 200)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_engines import FakeEngine, ok_script, serving
 
-from gateway.config import ConfigError, load_plan_document
+from gateway.config import ConfigError, build_config, load_plan_document
 from launcher.planning_cli import plan
 
 
@@ -50,3 +51,29 @@ def test_a_bad_plan_file_is_a_config_error(tmp_path: Path) -> None:
         load_plan_document(str(bad))
     with pytest.raises(ConfigError, match="missing.json"):
         load_plan_document(str(tmp_path / "missing.json"))
+
+
+async def test_with_autoscale_on_the_plan_shows_the_autoscalers_state(tmp_path: Path) -> None:
+    path = write_plan(tmp_path)
+    engines = [FakeEngine("e0", ok_script(), combo="1xa100#0"),
+               FakeEngine("e1", ok_script(), combo="1xa100#1")]
+    async with serving(*engines, plan_file=str(path), autoscale={"enabled": True, "step_s": 5}) as client:
+        assert (await client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}]})).status == 200
+        body = await (await client.get("/v1/plan")).json()
+    scale = body["autoscale"]
+    assert scale["actuator"] is None and scale["step_s"] == 5 and scale["actions"] == []
+    assert scale["target_combos"] == {"1xa100": 2} and scale["params"]["local_window_s"] == 120
+    assert [(c["label"], c["state"]) for c in scale["copies"]] == [("1xa100#0", "serving"),
+                                                                  ("1xa100#1", "serving")]
+
+
+@pytest.mark.parametrize(("config", "reason"), [
+    ({"autoscale": {"enabled": True}}, "autoscale needs plan_file"),
+    ({"autoscale": {"enabled": True}, "plan_file": "p.json", "workers": 2}, "one-process gateway"),
+    ({"autoscale": {"local_window_s": 60, "global_window_s": 30}}, "local_window_s must be <="),
+    ({"autoscale": {"ratio": 1.5}}, "autoscale.ratio"),
+])
+def test_autoscale_config_is_checked(config: dict[str, Any], reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        build_config(cli=config)
