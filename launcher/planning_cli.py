@@ -156,6 +156,20 @@ def parse_workload(text: str, data_dir: str | None) -> tuple[Any, str]:
     return Workload(mean_in, mean_out), f"{text} (means of {len(requests)} requests)"
 
 
+def dataset_lengths(text: str, data_dir: str | None) -> list[tuple[float, float]]:
+    """(prompt, output) tokens of each request of a loadgen dataset (`--length-mix`); ValueError for means
+    (`in=..,out=..`) or a dataset without output lengths."""
+    if "=" in text and ":" not in text.split("=", 1)[0]:
+        raise ValueError("--length-mix needs a dataset as --workload (e.g. sarathi-sharegpt), not means")
+    from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
+    from loadgen.paths import resolve_data_dir  # noqa: PLC0415
+
+    requests = load_dataset(text, resolve_data_dir(data_dir), seed=0)
+    if any(r.output_tokens is None for r in requests):
+        raise ValueError(f"--workload {text}: the dataset does not give every request's output length")
+    return [(float(r.prompt_tokens), float(r.output_tokens or 0)) for r in requests]
+
+
 def model_and_slo(model: str, slo_text: str) -> tuple[Any, Any]:
     """(the catalogue's `ModelShape`, loadgen's `Slo` with TTFT and TPOT only) for the planning commands'
     --model and --slo; ValueError with the one-line reason."""
@@ -182,6 +196,9 @@ def build_plan_parser(prog: str) -> argparse.ArgumentParser:
                    help="co: Eq. 16 (price / CE), mce: max cost efficiency, mc: min cost (%(default)s)")
     p.add_argument("--price", action="append", default=[], metavar="GPU=USD", help="replace a GPU's price")
     p.add_argument("--goodput-table", type=Path, help="JSON {combo id: req/s}, replacing modelled goodput")
+    p.add_argument("--length-mix", action="store_true",
+                   help="with a dataset --workload: goodput over its length buckets (base-2 on prompt and "
+                   "output tokens, Mélange's size buckets) instead of at its means")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--fallback", action="store_true",
                    help="when the demand cannot be met: the most goodput the GPUs (and budget) allow instead")
@@ -196,7 +213,7 @@ def build_plan_parser(prog: str) -> argparse.ArgumentParser:
 
 def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
     from gateway.planning.autoscaler import AutoscalerParams  # noqa: PLC0415
-    from gateway.planning.combos import Slo, candidates, fastest_decode_step  # noqa: PLC0415
+    from gateway.planning.combos import Slo, candidates, fastest_decode_step, length_mix  # noqa: PLC0415
     from gateway.planning.ilp import (  # noqa: PLC0415
         AllocationProblem,
         PulpCbcSolver,
@@ -238,10 +255,17 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         table = None
         if args.goodput_table is not None:
             table = {str(k): float(v) for k, v in json.loads(args.goodput_table.read_text()).items()}
+        mix = None
+        if args.length_mix:
+            if table is not None:
+                return fail("--length-mix models goodput over length buckets; --goodput-table replaces it: "
+                            "give one")
+            mix = length_mix(dataset_lengths(args.workload, args.data_dir))
     except (ValueError, CostModelError, OSError) as exc:
         return fail(str(exc))
     gpus = {g: catalogue[g] for g in inventory}
-    cands = candidates(shape, workload, slo, gpus, goodput_table=table, max_num_seqs=args.max_num_seqs)
+    cands = candidates(shape, workload, slo, gpus, goodput_table=table, max_num_seqs=args.max_num_seqs,
+                       mix=mix)
     if not cands:
         where, step = fastest_decode_step(shape, workload, gpus)
         if slo.tpot_s < step:
@@ -284,6 +308,9 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         "total_usd_per_h": summary.total_usd_per_h, "expected_goodput_rps": summary.goodput_rps,
         "tokens_per_usd": summary.tokens_per_usd, "gpus_used": dict(summary.gpus),
         "solver_ms": allocation.solver_ms, "max_num_seqs": args.max_num_seqs, "goodput_table": table,
+        "length_mix": None if mix is None else [
+            {"share": share, "input_tokens": w.input_tokens, "output_tokens": w.output_tokens}
+            for share, w in mix],
     }
     print(f"{shape.name}, {workload_label}: {workload.input_tokens:.0f} in / {workload.output_tokens:.0f} "
           f"out; SLO TTFT {slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms; objective {args.objective}; "
@@ -295,9 +322,10 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         tokens_per_usd = c.goodput_rps * tokens_per_request * 3600.0 / c.usd_per_hour
         print(f"{c.combo.id:<18}{n:>6}{c.usd_per_hour:>9.2f}{c.goodput_rps:>10.2f}{c.goodput_per_usd_h:>15.3f}"
               f"{_si(tokens_per_usd):>12}")
-    print(f"total ${summary.total_usd_per_h:.2f}/h, {summary.goodput_rps:.2f} req/s at the SLO "
-          f"({'measured' if table else 'modelled'}), {_si(summary.tokens_per_usd)} tokens/$; "
-          f"GPUs {dict(summary.gpus)}; solver {allocation.solver_ms:.1f} ms")
+    source = "measured" if table else "modelled" if mix is None else f"modelled, {len(mix)} length buckets"
+    print(f"total ${summary.total_usd_per_h:.2f}/h, {summary.goodput_rps:.2f} req/s at the SLO ({source}), "
+          f"{_si(summary.tokens_per_usd)} tokens/$; GPUs {dict(summary.gpus)}; "
+          f"solver {allocation.solver_ms:.1f} ms")
     if args.autoscale:
         doc["autoscale"] = autoscale_timeline(cands, inventory, args.objective, allocation.counts, arrivals,
                                               args.autoscale_step_s)

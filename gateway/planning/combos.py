@@ -12,6 +12,12 @@ disaggregated combo serves the slower phase's rate, an aggregated one time-share
 handoff time: an upper bound. A measured table (`goodput_table`) replaces it and is then the candidate set:
 combos it does not list are left out rather than mixed with modelled ones.
 
+A length mix (`length_mix`: base-2 buckets of prompt and output tokens, Mélange's request-size buckets, each
+with its share and mean lengths) replaces the means in the goodput when a workload's lengths spread widely:
+`mix_goodput` times each bucket at its own modelled goodput and shares one instance's time between them (a
+request costs Σ share_b / goodput_b seconds of it, Mélange's load model); a bucket that cannot meet the SLO
+on the combo at all makes the combo unfit for the mix. Prices and CE stay at the means.
+
 Pareto filtering (§3.3.1): of a combo and its reverse (the same GPUs and counts with the phases swapped) only
 the one with the higher CE stays. Candidates are ranked by CE (Eq. 15), best first.
 Must not: solve the allocation (gateway.planning.ilp), do I/O.
@@ -139,11 +145,54 @@ def modelled_goodput(shape: ModelShape, workload: Workload, slo: Slo, cost: Comb
     return rps, step
 
 
+# (share of requests, their mean lengths) per bucket; shares sum to 1.
+LengthMix = tuple[tuple[float, Workload], ...]
+
+
+def length_bucket(tokens: float) -> int:
+    """The base-2 bucket of a length: 0 for [1, 2), k for [2^k, 2^(k+1)); lengths below 1 go to bucket 0."""
+    return max(0, math.frexp(max(tokens, 1.0))[1] - 1)
+
+
+def length_mix(lengths: Iterable[tuple[float, float]]) -> LengthMix:
+    """(prompt, output) token counts bucketed base-2 on both: each non-empty bucket's share and mean lengths
+    (at least one token each), ordered by bucket. ValueError when `lengths` is empty."""
+    sums: dict[tuple[int, int], list[float]] = {}
+    total = 0
+    for r_in, r_out in lengths:
+        acc = sums.setdefault((length_bucket(r_in), length_bucket(r_out)), [0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += r_in
+        acc[2] += r_out
+        total += 1
+    if total == 0:
+        raise ValueError("a length mix needs at least one request")
+    return tuple((n / total, Workload(max(s_in / n, 1.0), max(s_out / n, 1.0)))
+                 for _, (n, s_in, s_out) in sorted(sums.items()))
+
+
+def mix_goodput(shape: ModelShape, mix: LengthMix, slo: Slo, decode: Side, prefill: Side | None,
+                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> float:
+    """Requests/s of the mix meeting the SLO on one combo instance: 1 / Σ share_b / goodput_b, each bucket's
+    goodput modelled at its own lengths; 0 when a bucket with a share cannot meet the SLO there."""
+    seconds = 0.0
+    for share, bucket in mix:
+        try:
+            cost = price_combo(shape, bucket, decode=decode, prefill=prefill, max_num_seqs=max_num_seqs)
+        except CostModelError:
+            return 0.0  # the bucket's KV for one request does not fit
+        goodput, _ = modelled_goodput(shape, bucket, slo, cost, max_num_seqs)
+        if goodput <= 0:
+            return 0.0
+        seconds += share / goodput
+    return 1.0 / seconds if seconds > 0 else 0.0
+
+
 def candidates(shape: ModelShape, workload: Workload, slo: Slo, gpus: Mapping[str, GpuSpec],
                goodput_table: Mapping[str, float] | None = None,
-               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS) -> list[Candidate]:
+               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, mix: LengthMix | None = None) -> list[Candidate]:
     """Priced combos of `gpus` that hold the model and meet the SLO (goodput > 0), reversed directions
-    dropped, best CE first."""
+    dropped, best CE first. `mix`: goodput over these length buckets instead of at the means."""
     priced: dict[Combo, Candidate] = {}
     for combo in enumerate_combos(gpus):
         try:
@@ -155,6 +204,9 @@ def candidates(shape: ModelShape, workload: Workload, slo: Slo, gpus: Mapping[st
             continue  # the weights do not fit on a side
         goodput, step = modelled_goodput(shape, workload, slo, cost, max_num_seqs)
         source = "modelled"
+        if mix is not None:
+            goodput = mix_goodput(shape, mix, slo, cost.decode, cost.prefill, max_num_seqs)
+            source = "modelled-mix"
         if goodput_table is not None:  # a measured table is the candidate set: no mixing with the model
             if combo.id not in goodput_table:
                 continue

@@ -2,7 +2,8 @@
 re-plan.
 
 Owns: `Plan` (the deployed combos, and everything the candidates were built from: model, workload means,
-SLO, inventory, prices, objective, max_num_seqs and a measured goodput table when one was given), `parse_plan`
+SLO, inventory, prices, objective, max_num_seqs, and a measured goodput table or a length mix when one was
+given), `parse_plan`
 (a decoded JSON document -> `Plan`, ValueError naming the bad field) and `Plan.candidates()`, the same
 candidate list `switchyard plan` solved over, so an autoscaler started from a plan file re-plans exactly as
 the planner would. The simulator (`loadgen simulate --plan`) reads plans through this module.
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.planning.combos import Candidate, Slo, candidates
+from gateway.planning.combos import Candidate, LengthMix, Slo, candidates
 from gateway.planning.cost_model import DEFAULT_MAX_NUM_SEQS, Workload, with_prices
 from gateway.planning.ilp import Objective
 from switchyard.hardware import GPUS, MODELS, ModelShape
@@ -37,11 +38,12 @@ class Plan:
     goodput_rps: Mapping[str, float]  # combo id -> goodput per copy, as planned
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     goodput_table: Mapping[str, float] | None = None
+    length_mix: LengthMix | None = None  # `plan --length-mix`: goodput over these length buckets
 
     def candidates(self) -> list[Candidate]:
         gpus = with_prices({g: GPUS[g] for g in self.inventory}, self.prices)
         return candidates(self.model, self.workload, self.slo, gpus, goodput_table=self.goodput_table,
-                          max_num_seqs=self.max_num_seqs)
+                          max_num_seqs=self.max_num_seqs, mix=self.length_mix)
 
 
 def _number(doc: Mapping[str, Any], key: str, where: str = "") -> float:
@@ -102,6 +104,16 @@ def parse_plan(doc: Any) -> Plan:
         if not isinstance(table_doc, dict):
             raise ValueError("plan: goodput_table must map combo ids to req/s")
         table = {k: _number(table_doc, k, "goodput_table.") for k in table_doc}
+    mix_doc = doc.get("length_mix")
+    mix: LengthMix | None = None
+    if mix_doc is not None:
+        if not (isinstance(mix_doc, list) and mix_doc and all(isinstance(x, dict) for x in mix_doc)):
+            raise ValueError("plan: length_mix must be a non-empty list of {share, input_tokens, "
+                             "output_tokens}")
+        mix = tuple((_number(b, "share", f"length_mix[{i}]."),
+                     Workload(_number(b, "input_tokens", f"length_mix[{i}]."),
+                              _number(b, "output_tokens", f"length_mix[{i}].")))
+                    for i, b in enumerate(mix_doc))
     max_num_seqs = doc.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
         raise ValueError(f"plan: max_num_seqs must be a whole number >= 1, got {max_num_seqs!r}")
@@ -116,4 +128,5 @@ def parse_plan(doc: Any) -> Plan:
         goodput_rps=goodput,
         max_num_seqs=max_num_seqs,
         goodput_table=table,
+        length_mix=mix,
     )

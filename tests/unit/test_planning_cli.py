@@ -153,3 +153,30 @@ def test_profile_combos_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert "unknown GPU 'tpu9'" in err and "bad combo id" in err and "--attainment" in err
     assert "Traceback" not in err
+
+
+def test_plan_over_a_length_mix_is_recorded_and_read_back(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.planning.plan_file import parse_plan
+
+    lengths = tmp_path / "mixed.jsonl"  # two very different request shapes
+    rows = [{"prompt": "word " * 30, "output_tokens": 20}] * 3
+    rows.append({"prompt": "word " * 1500, "output_tokens": 900})
+    lengths.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "llama3-8b", "--workload", f"jsonl:{lengths}", "--slo", "ttft=5000,tpot=50",
+            "--goodput-rps", "20", "--gpus", "a800:8", "--json", str(out)]
+    assert main([*args, "--length-mix"]) == 0, capsys.readouterr().err
+    assert "length buckets" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert [b["share"] for b in doc["length_mix"]] == [0.75, 0.25]
+    plan = parse_plan(doc)
+    assert plan.length_mix is not None and plan.length_mix[1][0] == 0.25
+    assert {c.goodput_source for c in plan.candidates()} == {"modelled-mix"}
+    mixed = {c["combo"]: c["goodput_rps"] for c in doc["combos"]}
+    assert main(args) == 0  # the same dataset by its means
+    means = {c["combo"]: c["goodput_rps"] for c in json.loads(out.read_text())["combos"]}
+    assert json.loads(out.read_text())["length_mix"] is None
+    assert mixed != means  # the long bucket costs more than the means say
+    assert main([*args[:4], "in=10,out=10", *args[5:], "--length-mix"]) == 2
+    assert "--length-mix needs a dataset" in capsys.readouterr().err

@@ -11,6 +11,9 @@ from gateway.planning.combos import (
     candidates,
     decode_step_s,
     enumerate_combos,
+    length_bucket,
+    length_mix,
+    mix_goodput,
     modelled_goodput,
 )
 from gateway.planning.cost_model import ComboCost, Side, Workload, price_combo
@@ -112,3 +115,31 @@ def test_the_plan_is_no_worse_than_any_one_combo_plan(objective: str) -> None:
         if all(copies * m <= inventory[g] for g, m in c.combo.gpus().items()):
             singles.append(problem.weight(c) * copies)
     assert value <= min(singles) * (1 + 1e-9)
+
+
+def test_a_length_mix_buckets_base_2_on_both_lengths() -> None:
+    mix = length_mix([(100, 10), (120, 14), (1000, 10), (0, 0)])
+    assert [share for share, _ in mix] == [0.25, 0.5, 0.25]
+    assert mix[0][1] == Workload(1, 1)  # below one token: bucket 0, one token
+    assert mix[1][1] == Workload(110, 12) and mix[2][1] == Workload(1000, 10)
+    assert (length_bucket(1), length_bucket(2), length_bucket(127), length_bucket(128)) == (0, 1, 6, 7)
+    with pytest.raises(ValueError, match="at least one request"):
+        length_mix([])
+
+
+def test_mix_goodput_shares_one_instance_between_the_buckets() -> None:
+    side = Side(GPUS["a800"])
+    short, long_ = Workload(200, 100), Workload(2000, 800)
+
+    def alone(w: Workload) -> float:
+        return modelled_goodput(LLAMA, w, SLO, price_combo(LLAMA, w, decode=side))[0]
+
+    assert mix_goodput(LLAMA, ((1.0, short),), SLO, side, None) == pytest.approx(alone(short))
+    both = mix_goodput(LLAMA, ((0.75, short), (0.25, long_)), SLO, side, None)
+    assert both == pytest.approx(1.0 / (0.75 / alone(short) + 0.25 / alone(long_)))
+    assert alone(long_) < both < alone(short)
+    # A bucket no GPU of the combo can prefill within the TTFT makes the combo unfit for the mix.
+    huge = Workload(60000, 10)
+    assert mix_goodput(LLAMA, ((0.99, short), (0.01, huge)), Slo(1.0, 0.030), side, None) == 0.0
+    cands = candidates(LLAMA, Workload(650, 275), SLO, THREE, mix=((0.75, short), (0.25, long_)))
+    assert cands and {c.goodput_source for c in cands} == {"modelled-mix"}
