@@ -64,7 +64,9 @@ def copy_states(body: dict[str, Any]) -> dict[str, str]:
 
 async def scenario(base: str) -> None:
     async with aiohttp.ClientSession() as session:
-        body = await get_plan(session, base)
+        # The banner comes when the gateway listens; the agent's first report (its combo label) may be later.
+        body = await wait_for(session, base, "the plan's agent to report",
+                              lambda b: any(e["serving"] for e in b["fleet"].get("1xa100#0", [])))
         assert copy_states(body) == {"1xa100#0": "serving"} and body["autoscale"]["actuator"] == "local"
         model = body["fleet"]["1xa100#0"][0]["model"]
         statuses: list[int] = []
