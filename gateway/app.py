@@ -48,7 +48,6 @@ from gateway.fleet.autoscale import Actuator, AutoscaleLoop
 from gateway.observability.loop_lag import lag_monitor_ctx
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.siblings import SiblingScrape
-from gateway.planning.autoscaler import AutoscalerParams
 from gateway.planning.plan_file import parse_plan
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.rescheduling.star import StarParams
@@ -212,16 +211,10 @@ def _autoscale_loop(
     metrics: GatewayMetrics,
     actuator: Actuator | None,
 ) -> AutoscaleLoop:
-    a = config.autoscale
-    try:
-        params = AutoscalerParams(a.ratio, a.local_window_s, a.global_window_s, a.provisioning_s, a.grace_s,
-                                  a.min_copies)
-    except ValueError as e:
-        raise ConfigError(f"autoscale: {e}") from e
     return AutoscaleLoop(
         parse_plan(plan_document),
-        params=params,
-        step_s=a.step_s,
+        params=config.autoscale.params(),  # checked when the config was built
+        step_s=config.autoscale.step_s,
         arrivals=lambda: handlers.arrivals,
         store=store,
         make_client=make_client,

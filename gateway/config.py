@@ -13,9 +13,12 @@ import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from gateway.planning.autoscaler import AutoscalerParams
 
 ENV_PREFIX = "SWITCHYARD_GATEWAY_"
 MIB = 1024 * 1024
@@ -192,10 +195,16 @@ class AutoscaleConfig(_Frozen):
     grace_s: float = Field(30.0, ge=0)
     min_copies: int = Field(1, ge=0)  # a scale-in keeps at least this many combo copies
 
+    def params(self) -> AutoscalerParams:
+        """Algorithm 1's parameters, checked by `AutoscalerParams` itself (ValueError)."""
+        from gateway.planning.autoscaler import AutoscalerParams  # noqa: PLC0415
+
+        return AutoscalerParams(self.ratio, self.local_window_s, self.global_window_s, self.provisioning_s,
+                                self.grace_s, self.min_copies)
+
     @model_validator(mode="after")
-    def _windows(self) -> AutoscaleConfig:
-        if self.local_window_s > self.global_window_s:
-            raise ValueError("local_window_s must be <= global_window_s")
+    def _consistent(self) -> AutoscaleConfig:
+        self.params()  # the rules across fields (local window <= global window) are the autoscaler's
         return self
 
 

@@ -173,7 +173,8 @@ class LocalFleet:
 
     async def remove(self, addresses: Sequence[str], *, grace_s: float) -> None:
         """Stop the agents at `addresses` (SIGTERM: they drain; SIGKILL after `grace_s`), reaped."""
-        gone = [s for s in self.specs if s.address in set(addresses)]
+        wanted = set(addresses)
+        gone = [s for s in self.specs if s.address in wanted]
         procs = [self.processes.pop(s.engine_id) for s in gone if s.engine_id in self.processes]
         self.specs = [s for s in self.specs if s not in gone]
         await asyncio.gather(*(terminate(p, grace_s) for p in procs), return_exceptions=True)

@@ -132,8 +132,9 @@ def load_arrivals(text: str, data_dir: str | None) -> list[float]:
     return arrivals
 
 
-def parse_workload(text: str, data_dir: str | None) -> tuple[Any, str]:
-    """`in=337,out=1330` or a loadgen dataset name (means of its prompt and output tokens)."""
+def parse_workload(text: str, data_dir: str | None) -> tuple[Any, str, list[tuple[float, float]] | None]:
+    """`in=337,out=1330` or a loadgen dataset name: (the mean lengths as a `Workload`, a label, and for a
+    dataset each request's (prompt, output) tokens, for `--length-mix`)."""
     from gateway.planning.cost_model import Workload  # noqa: PLC0415
 
     if "=" in text and ":" not in text.split("=", 1)[0]:  # in=..,out=.. (not synth:in=..)
@@ -142,32 +143,18 @@ def parse_workload(text: str, data_dir: str | None) -> tuple[Any, str]:
         if unknown or set(pairs) != {"in", "out"}:
             raise ValueError(f"--workload {text!r}: give in=TOKENS,out=TOKENS or a dataset name")
         r_in, r_out = _positive(pairs["in"], "--workload in"), _positive(pairs["out"], "--workload out")
-        return Workload(r_in, r_out), text
+        return Workload(r_in, r_out), text, None
     from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
     from loadgen.paths import resolve_data_dir  # noqa: PLC0415
 
     requests = load_dataset(text, resolve_data_dir(data_dir), seed=0)
-    outputs = [r.output_tokens for r in requests if r.output_tokens is not None]
-    if not requests or len(outputs) < len(requests):
+    if not requests or any(r.output_tokens is None for r in requests):
         raise ValueError(f"--workload {text}: the dataset does not give every request's output length; "
                          "give in=TOKENS,out=TOKENS")
-    mean_in = sum(r.prompt_tokens for r in requests) / len(requests)
-    mean_out = sum(outputs) / len(outputs)
-    return Workload(mean_in, mean_out), f"{text} (means of {len(requests)} requests)"
-
-
-def dataset_lengths(text: str, data_dir: str | None) -> list[tuple[float, float]]:
-    """(prompt, output) tokens of each request of a loadgen dataset (`--length-mix`); ValueError for means
-    (`in=..,out=..`) or a dataset without output lengths."""
-    if "=" in text and ":" not in text.split("=", 1)[0]:
-        raise ValueError("--length-mix needs a dataset as --workload (e.g. sarathi-sharegpt), not means")
-    from loadgen.datasets.registry import load_dataset  # noqa: PLC0415
-    from loadgen.paths import resolve_data_dir  # noqa: PLC0415
-
-    requests = load_dataset(text, resolve_data_dir(data_dir), seed=0)
-    if any(r.output_tokens is None for r in requests):
-        raise ValueError(f"--workload {text}: the dataset does not give every request's output length")
-    return [(float(r.prompt_tokens), float(r.output_tokens or 0)) for r in requests]
+    lengths = [(float(r.prompt_tokens), float(r.output_tokens or 0)) for r in requests]
+    mean_in = sum(r_in for r_in, _ in lengths) / len(lengths)
+    mean_out = sum(r_out for _, r_out in lengths) / len(lengths)
+    return Workload(mean_in, mean_out), f"{text} (means of {len(requests)} requests)", lengths
 
 
 def model_and_slo(model: str, slo_text: str) -> tuple[Any, Any]:
@@ -251,7 +238,7 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
         for flag, value in (("--goodput-rps", args.goodput_rps), ("--budget-usd-h", args.budget_usd_h)):
             if value is not None and not value > 0:
                 return fail(f"{flag} must be > 0, got {value:g}")
-        workload, workload_label = parse_workload(args.workload, args.data_dir)
+        workload, workload_label, lengths = parse_workload(args.workload, args.data_dir)
         table = None
         if args.goodput_table is not None:
             table = {str(k): float(v) for k, v in json.loads(args.goodput_table.read_text()).items()}
@@ -260,7 +247,9 @@ def plan(argv: Sequence[str], prog: str = "switchyard plan") -> int:
             if table is not None:
                 return fail("--length-mix models goodput over length buckets; --goodput-table replaces it: "
                             "give one")
-            mix = length_mix(dataset_lengths(args.workload, args.data_dir))
+            if lengths is None:
+                return fail("--length-mix needs a dataset as --workload (e.g. sarathi-sharegpt), not means")
+            mix = length_mix(lengths)
     except (ValueError, CostModelError, OSError) as exc:
         return fail(str(exc))
     gpus = {g: catalogue[g] for g in inventory}

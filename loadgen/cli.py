@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -196,6 +197,9 @@ def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
                         "join after provisioning (90 s) and leave by draining")
     g.add_argument("--autoscale-step-s", type=_positive_float, default=10.0, metavar="S",
                    help="seconds per QPS sample for --autoscale (10, as switchyard plan --autoscale)")
+    g.add_argument("--autoscale-param", action="append", default=[], metavar="K=V",
+                   help="Algorithm 1's parameters (ratio, local_window_s, global_window_s, provisioning_s, "
+                        "grace_s, min_copies), as the gateway's --autoscale-param; repeatable")
 
 
 def _star_flags(g: argparse._ArgumentGroup, single_arm: bool) -> None:
@@ -438,7 +442,15 @@ def _scaling(args: argparse.Namespace) -> Scaling | None:
         if args.autoscale:
             raise UsageError("--autoscale needs --plan PATH (a `switchyard plan --json` file)")
         return None
+    if args.autoscale_param and not args.autoscale:
+        raise UsageError("--autoscale-param is for --autoscale")
+    from gateway.planning.autoscaler import AutoscalerParams  # noqa: PLC0415
     from gateway.planning.plan_file import parse_plan  # noqa: PLC0415
+
+    try:
+        params = AutoscalerParams(**_policy_params(args.autoscale_param, "--autoscale-param"))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--autoscale-param: {exc}") from None
 
     try:
         plan = parse_plan(json.loads(Path(args.plan).read_text()))
@@ -447,7 +459,7 @@ def _scaling(args: argparse.Namespace) -> Scaling | None:
     except ValueError as exc:  # json.JSONDecodeError included
         raise UsageError(f"--plan {args.plan}: {_one_line(exc)}") from None
     try:
-        return Scaling(plan, autoscale=args.autoscale, step_s=args.autoscale_step_s)
+        return Scaling(plan, autoscale=args.autoscale, params=params, step_s=args.autoscale_step_s)
     except ValueError as exc:
         raise UsageError(f"--plan {args.plan}: {exc}") from None
 
@@ -509,7 +521,9 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
              "balance": result.balance, "cost_usd": result.cost_usd, "tokens_per_usd": result.tokens_per_usd,
              "fleet_actions": result.fleet_actions, "handoffs": result.handoffs}
     config = {**_base_config(args, spec), "engines": args.engines if scaling is None else None,
-              "plan": args.plan, "autoscale": args.autoscale, "policy": args.policy,
+              "plan": args.plan, "autoscale": args.autoscale,
+              "autoscale_params": dataclasses.asdict(scaling.params) if scaling is not None else None,
+              "policy": args.policy,
               "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,
               "report_delay_ms": args.report_delay_ms, "lens": args.lens,
               "lens_state": not args.no_lens_state, "deciders": args.deciders,

@@ -40,6 +40,8 @@ from gateway.planning.autoscaler import (
     ScaleIn,
     ScaleOut,
     action_row,
+    copy_label,
+    newest_copies,
 )
 from gateway.planning.ilp import PulpCbcSolver, Solver
 from gateway.planning.plan_file import Plan
@@ -89,8 +91,8 @@ class Membership(Protocol):
 
 @dataclass(slots=True)
 class FleetCopy:
-    label: str
     combo: str
+    k: int
     state: CopyState
     decided_at_s: float | None  # None: in the plan from the start
     engines: tuple[str, ...] = ()
@@ -98,6 +100,10 @@ class FleetCopy:
     gone_at_s: float | None = None
     error: str = ""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        return copy_label(self.combo, self.k)
 
     def row(self) -> dict[str, Any]:
         return {"label": self.label, "combo": self.combo, "state": self.state, "engines": list(self.engines),
@@ -144,7 +150,7 @@ class AutoscaleLoop:
         self._next_k: dict[str, int] = {}
         for combo, count in sorted(plan.combos.items()):
             for k in range(count):
-                self.copies[f"{combo}#{k}"] = FleetCopy(f"{combo}#{k}", combo, "serving", None)
+                self.copies[copy_label(combo, k)] = FleetCopy(combo, k, "serving", None)
             self._next_k[combo] = count
         self._target = dict(self._scaler.deployed)
         self._usd_per_h = self._scaler.usd_per_hour(0.0)
@@ -210,18 +216,18 @@ class AutoscaleLoop:
                 for _ in range(copies):
                     k = self._next_k.get(combo, 0)
                     self._next_k[combo] = k + 1
-                    copy = FleetCopy(f"{combo}#{k}", combo, "provisioning", action.at_s)
+                    copy = FleetCopy(combo, k, "provisioning", action.at_s)
                     self.copies[copy.label] = copy
                     copy.task = self._spawn(self._provision(copy), f"provision:{copy.label}")
                     new.append(copy)
             return new
         assert isinstance(action, ScaleIn)
-        for combo, copies in sorted(action.combos.items()):
-            live = [c for c in self.copies.values() if c.combo == combo
-                    and c.state in ("provisioning", "serving") and c.label not in self._leaving]
-            for copy in sorted(live, key=lambda c: int(c.label.rpartition("#")[2]), reverse=True)[:copies]:
-                self._leaving.add(copy.label)
-                self._spawn(self._remove(copy, tuple(added), action.at_s), f"release:{copy.label}")
+        live = [(c.combo, c.k) for c in self.copies.values()
+                if c.state in ("provisioning", "serving") and c.label not in self._leaving]
+        for combo, k in newest_copies(live, action.combos):
+            copy = self.copies[copy_label(combo, k)]
+            self._leaving.add(copy.label)
+            self._spawn(self._remove(copy, tuple(added), action.at_s), f"release:{copy.label}")
         return []
 
     def _spawn(self, work: Any, name: str) -> asyncio.Task[None]:

@@ -20,7 +20,7 @@ Must not: start or stop engines (the simulator and the live gateway apply the ac
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.planning.combos import Candidate
@@ -42,7 +42,7 @@ class AutoscalerParams:
         if not (0 < self.ratio < 1):
             raise ValueError(f"ratio must be in (0, 1), got {self.ratio}")
         if not (0 < self.local_window_s <= self.global_window_s):
-            raise ValueError("need 0 < local_window_s <= global_window_s")
+            raise ValueError("local_window_s must be <= global_window_s (and > 0)")
         if self.provisioning_s < 0 or self.grace_s < 0:
             raise ValueError("provisioning_s and grace_s must be >= 0")
         if self.min_copies < 0:
@@ -261,6 +261,22 @@ class Autoscaler:
             self._leaving.append(_Leaving(Counter(remove), gone))
             actions.append(ScaleIn(serving, dict(remove), gone, why + " (after the new combos serve)"))
         return actions
+
+
+def copy_label(combo: str, k: int) -> str:
+    """Copy k of a combo, as engines report it (`--combo C#k`) and goodput_rr groups it."""
+    return f"{combo}#{k}"
+
+
+def newest_copies(live: Iterable[tuple[str, int]], combos: Mapping[str, int]) -> list[tuple[str, int]]:
+    """The copies a `ScaleIn` of `combos` (combo -> copies removed) takes from the `live` ones ((combo, k),
+    neither leaving nor gone): the newest (highest k) of each combo, combos in name order. The simulator and
+    the live gateway both choose through this."""
+    by_combo: dict[str, list[int]] = {}
+    for combo, k in live:
+        by_combo.setdefault(combo, []).append(k)
+    return [(combo, k) for combo, n in sorted(combos.items())
+            for k in sorted(by_combo.get(combo, ()), reverse=True)[:n]]
 
 
 def action_row(action: Action) -> dict[str, object]:

@@ -21,7 +21,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.planning.autoscaler import Action, Autoscaler, QpsMeter, ScaleIn, ScaleOut, action_row
+from gateway.planning.autoscaler import (
+    Action,
+    Autoscaler,
+    QpsMeter,
+    ScaleIn,
+    ScaleOut,
+    action_row,
+    copy_label,
+    newest_copies,
+)
 from gateway.planning.ilp import PulpCbcSolver
 from loadgen.simulate.fleet import SimNode, combo_engines
 from loadgen.simulate.spec import EngineSpec, Scaling, SimOptions
@@ -33,7 +42,7 @@ def plan_engines(scaling: Scaling) -> list[EngineSpec]:
     specs: list[EngineSpec] = []
     for combo, count in sorted(scaling.plan.combos.items()):
         for k in range(count):
-            label = f"{combo}#{k}"
+            label = copy_label(combo, k)
             specs += [EngineSpec(profile, 1, combo=label, role=role)
                       for profile, role in combo_engines(combo, model)]
     return specs
@@ -159,7 +168,7 @@ class FleetChanges:
     def _new_copy(self, combo: str, now_s: float) -> list[SimNode]:
         k = self._next_copy[combo]
         self._next_copy[combo] = k + 1
-        label = f"{combo}#{k}"
+        label = copy_label(combo, k)
         nodes: list[SimNode] = []
         for profile, role in combo_engines(combo, self.scaling.plan.model.name):
             index = self._counts.get(profile, 0)
@@ -172,15 +181,14 @@ class FleetChanges:
 
     def _drain(self, combos: dict[str, int], gone_s: float, now_s: float) -> None:
         leaving: list[SimNode] = []
-        for combo, copies in sorted(combos.items()):
-            live = sorted((k for (c, k), nodes in self.copies.items() if c == combo and all(
-                n.left_s is None and n.leave_after_s == math.inf for n in nodes)), reverse=True)
-            for k in live[:copies]:  # newest first
-                for node in self.copies[(combo, k)]:
-                    node.leave_after_s = gone_s
-                    if node.joined:
-                        node.feed.drain(now_s)
-                        leaving.append(node)
-                    else:  # still provisioning: cancelled
-                        node.left_s = now_s
+        live = [key for key, nodes in self.copies.items()
+                if all(n.left_s is None and n.leave_after_s == math.inf for n in nodes)]
+        for key in newest_copies(live, combos):
+            for node in self.copies[key]:
+                node.leave_after_s = gone_s
+                if node.joined:
+                    node.feed.drain(now_s)
+                    leaving.append(node)
+                else:  # still provisioning: cancelled
+                    node.left_s = now_s
         self._push(gone_s, "leave", leaving)

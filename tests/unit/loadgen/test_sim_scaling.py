@@ -160,3 +160,27 @@ def test_a_request_routed_to_a_draining_engine_before_its_report_is_retried_else
     drained = f"{H100}-1"
     assert all(o.arrival_s < 10.0 for o in result.outcomes if o.engine_id == drained)
     assert len(decisions) > 240  # some requests were routed twice
+
+
+def test_cli_autoscale_params_reach_algorithm_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The gateway's --autoscale-param values replay in the simulator: a live run's settings can be tried."""
+    from launcher.planning_cli import plan as plan_cli
+    from loadgen.cli import main
+
+    path = tmp_path / "plan.json"
+    assert plan_cli(["--model", "llama3-8b", "--workload", "in=100,out=20", "--slo", "ttft=2000,tpot=100",
+                     "--goodput-rps", "1", "--gpus", "a100:2", "--json", str(path)]) == 0
+    out = tmp_path / "run.json"
+    base = ["simulate", "--dataset", "synth:in=100,out=20", "--num-requests", "5", "--no-plots",
+            "--plan", str(path)]
+    assert main([*base, "--autoscale", "--autoscale-param", "local_window_s=60", "--autoscale-param",
+                 "min_copies=0", "--output", str(out)]) == 0
+    params = json.loads(out.read_text())["config"]["autoscale_params"]
+    assert params["local_window_s"] == 60 and params["min_copies"] == 0
+    capsys.readouterr()
+    assert main([*base, "--autoscale-param", "ratio=0.5"]) == 2
+    assert main([*base, "--autoscale", "--autoscale-param", "ratio=2"]) == 2
+    assert main([*base, "--autoscale", "--autoscale-param", "windo=2"]) == 2
+    err = capsys.readouterr().err
+    assert "--autoscale-param is for --autoscale" in err and "ratio must be in (0, 1)" in err
+    assert "windo" in err and "Traceback" not in err
