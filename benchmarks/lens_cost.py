@@ -51,7 +51,7 @@ from engine_agent.lens.perf_model import (
 )
 from engine_agent.lens.planner import PlanLimits, QueueView, plan_batch
 from engine_agent.sim.engine import IterationRecord, SimEngine
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_RATES = (20.0, 5.0, 40.0, 10.0, 60.0, 30.0)  # requests per second, one per segment

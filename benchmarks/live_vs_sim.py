@@ -46,7 +46,7 @@ import aiohttp
 import grpc
 
 from engine_agent.config import AgentConfig
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
 from gateway.rescheduling.star import StarParams
 from launcher.local_fleet import AgentSpec, LocalFleet, terminate

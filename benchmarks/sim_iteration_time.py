@@ -29,14 +29,14 @@ from typing import Any
 from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
-from engine_agent.sim.perf_model import (
+from switchyard.perf_model import (
     BatchShape,
     PerfCoefficients,
     batch_time_s,
     decode_attention_time_s,
     iteration_time_s,
 )
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILES = ("h100-llama3-8b", "a6000-llama3-8b", "h100x4-llama3-70b")

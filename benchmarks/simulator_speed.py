@@ -25,7 +25,7 @@ from typing import Any
 
 from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.datasets import Request, load_dataset
 from loadgen.paths import resolve_data_dir

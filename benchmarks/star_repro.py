@@ -116,7 +116,7 @@ def _predictor(path: str | None) -> Any:
     if path is None:
         return None
     if path not in _PREDICTOR:
-        from engine_agent.sim.profiles import get_profile  # noqa: PLC0415
+        from switchyard.profiles import get_profile  # noqa: PLC0415
         from engine_agent.star.predictor import LengthPredictor  # noqa: PLC0415
 
         _PREDICTOR[path] = LengthPredictor.load(Path(path),

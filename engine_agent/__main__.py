@@ -26,7 +26,7 @@ from threadpoolctl import threadpool_limits
 
 from engine_agent.config import AgentConfig, LinkSecurityConfig, VllmConfig
 from engine_agent.server import AgentStartupError, serve
-from engine_agent.sim.profiles import UnknownProfileError, get_profile, known_profiles
+from switchyard.profiles import UnknownProfileError, get_profile, known_profiles
 
 # Link security flag (its argparse dest) -> the environment variable used when the flag is not given.
 LINK_ENV: dict[str, str] = {

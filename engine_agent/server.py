@@ -46,7 +46,7 @@ from engine_agent.backends.sim import SimBackend
 from engine_agent.config import ORACLE, AgentConfig
 from engine_agent.link_security import LinkSecurity, LinkSecurityError, load_link_security
 from engine_agent.service import AgentService, StreamEnd
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.star.live import MlpPredictor, OraclePredictor, OutputTargets, SamplePredictor, StarLive
 from engine_agent.star.predictor import LengthPredictor, PredictorFileError
 from engine_agent.star.recorder import HiddenStateRecorder

@@ -390,7 +390,7 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
 def up(argv: Sequence[str]) -> int:
     parser = build_up_parser()
     args = parser.parse_args(argv)
-    from engine_agent.sim.profiles import known_profiles  # noqa: PLC0415 (only `up` needs the agent package)
+    from switchyard.profiles import known_profiles  # noqa: PLC0415 (only `up` needs the agent package)
     from gateway.policies.registry import POLICY_NAMES  # noqa: PLC0415
 
     check_up_args(parser, args)

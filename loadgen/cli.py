@@ -380,7 +380,7 @@ def _sim_options(args: argparse.Namespace, policy: str, engines: Sequence[Engine
                  arm: RescheduleArm = "none") -> SimOptions:
     """The simulator's options; --slo's TTFT and TPOT travel with every request (as x-slo-* headers would).
     STAR: `arm`; the predictor file, when given, is read here (checked against the first engine's model)."""
-    from engine_agent.sim.profiles import get_profile  # noqa: PLC0415
+    from switchyard.profiles import get_profile  # noqa: PLC0415
 
     slo = _slo(args)
     ttft_ms, tpot_ms = (slo.ttft_ms, slo.tpot_ms) if slo is not None else (None, None)
@@ -429,7 +429,7 @@ def _print_balance(balance: dict[str, Any]) -> None:
 
 
 def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> None:
-    from engine_agent.sim.profiles import get_profile  # noqa: PLC0415
+    from switchyard.profiles import get_profile  # noqa: PLC0415
 
     served = get_profile(engines[0].profile).model.name
     if args.model and args.model != served:

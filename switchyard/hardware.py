@@ -3,7 +3,7 @@
 Owns: `GpuSpec` (peak dense BF16 compute, memory bandwidth, memory, hourly price, interconnect) for the GPUs
 the project knows, and `ModelShape` (the transformer's shape from its Hugging Face config) with the
 parameter, weight and KV-cache sizes derived from that shape.
-Must not: know about batching, scheduling or profiles (that is `engine_agent.sim.profiles`), time anything,
+Must not: know about batching, scheduling or profiles (that is `switchyard.profiles`), time anything,
 or price a deployment (that is `gateway.planning`).
 
 Units: TFLOPs are 1e12 FLOP/s, GB and GB/s are decimal (1e9 bytes), prices are USD per GPU-hour.

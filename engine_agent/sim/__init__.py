@@ -6,7 +6,7 @@ Must not: import asyncio, grpc or the backends' drivers; read clocks; do I/O.
 """
 
 from engine_agent.sim.engine import IterationRecord, SimEngine, StepResult
-from engine_agent.sim.perf_model import (
+from switchyard.perf_model import (
     BatchShape,
     PerfCoefficients,
     batch_time_s,
@@ -14,7 +14,7 @@ from engine_agent.sim.perf_model import (
     heterogeneity_factor,
     iteration_time_s,
 )
-from engine_agent.sim.profiles import Profile, UnknownProfileError, get_profile, known_profiles
+from switchyard.profiles import Profile, UnknownProfileError, get_profile, known_profiles
 from switchyard.hardware import GPUS, MODELS, GpuSpec, ModelShape
 
 __all__ = [

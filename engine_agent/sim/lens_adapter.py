@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from engine_agent.domain import LensFigures, RequestId
 from engine_agent.lens import LensConfig, LensController, PlanLimits, QueueView
-from engine_agent.sim.profiles import Profile
+from switchyard.profiles import Profile
 from engine_agent.sim.sequence import WAITING, Seq
 
 if TYPE_CHECKING:

@@ -44,7 +44,7 @@ from engine_agent.sim.sequence import (
 
 if TYPE_CHECKING:
     from engine_agent.domain import SamplingSpec
-    from engine_agent.sim.profiles import Profile
+    from switchyard.profiles import Profile
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_agent.sim.profiles import UnknownProfileError, get_profile, known_profiles
+from switchyard.profiles import UnknownProfileError, get_profile, known_profiles
 from engine_agent.star.collect import CollectError, CollectOptions, RequestLoader, collect
 from engine_agent.star.evaluate import METHODS, evaluate
 from engine_agent.star.predictor import LengthPredictor, PredictorFileError

@@ -18,7 +18,7 @@ from typing import Any
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.lens_adapter import SimLens
-from engine_agent.sim.profiles import TENSOR_PARALLEL_DEGREES, get_profile, known_profiles, profile_name
+from switchyard.profiles import TENSOR_PARALLEL_DEGREES, get_profile, known_profiles, profile_name
 from gateway.domain import EngineId
 from loadgen.simulate.predictions import PredictionRounds, remaining_lengths
 from loadgen.simulate.reports import ReportFeed, describe_engine

@@ -35,7 +35,7 @@ from dataclasses import replace
 from engine_agent.domain import EngineStats
 from engine_agent.proto_codec import engine_state
 from engine_agent.sim.engine import SimEngine
-from engine_agent.sim.profiles import Profile
+from switchyard.profiles import Profile
 from engine_agent.sim.reporting import ChangeGate
 from engine_agent.star.live import StarRound
 from gateway.domain import EngineDescription, EngineId, EngineReport

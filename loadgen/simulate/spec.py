@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.star.predictor import LengthPredictor
 from gateway.dispatch.mover import MoveParams
 from gateway.planning.autoscaler import Action, AutoscalerParams

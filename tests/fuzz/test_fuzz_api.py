@@ -22,7 +22,7 @@ import pytest_asyncio
 from aiohttp import web
 from api_fuzz import Case, generate_cases, send_all
 
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from gateway.api.openapi import openapi_document
 from gateway.app import METRICS_KEY, STORE_KEY, build_app, running
 from gateway.config import GatewayConfig

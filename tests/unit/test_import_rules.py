@@ -45,7 +45,9 @@ class PureCore:
 
 
 GATEWAY_DOMAIN = ("gateway.domain",)
-CATALOGUE = ("switchyard.hardware",)  # GPU datasheets and model shapes: the ground floor's pure data
+# GPU datasheets and model shapes, the engine profiles built from them and the roofline over a batch: the ground
+# floor's pure engine model, shared by the simulated GPU and the gateway's planners.
+CATALOGUE = ("switchyard.hardware", "switchyard.profiles", "switchyard.perf_model")
 ROLES = ("switchyard.roles",)  # the engine roles agents and gateway agree on: constants
 AGENT_DOMAIN = ("engine_agent.domain",)
 PURE_CORES = (
@@ -68,6 +70,8 @@ PURE_CORES = (
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
     PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE)),
     PureCore("switchyard/hardware.py", ()),
+    PureCore("switchyard/profiles.py", ("switchyard.hardware",)),
+    PureCore("switchyard/perf_model.py", ("switchyard.hardware", "switchyard.profiles")),
     PureCore("switchyard/roles.py", ()),
 )
 

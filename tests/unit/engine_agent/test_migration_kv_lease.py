@@ -10,7 +10,7 @@ from engine_agent.__main__ import build_agent_argparser, config_from_args
 from engine_agent.backends.sim import SimBackend
 from engine_agent.config import VllmConfig
 from engine_agent.domain import BackendRequest, RequestId, SamplingSpec, TokenEvent
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from switchyard.clock import MonotonicClock
 
 

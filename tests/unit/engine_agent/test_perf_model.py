@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine_agent.sim.perf_model import (
+from switchyard.perf_model import (
     BatchShape,
     PerfCoefficients,
     batch_time_s,
@@ -14,7 +14,7 @@ from engine_agent.sim.perf_model import (
     heterogeneity_factor,
     iteration_time_s,
 )
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 
 H100_8B = PerfCoefficients.from_profile(get_profile("h100-llama3-8b"))
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine_agent.sim.profiles import (
+from switchyard.profiles import (
     MIN_FULL_CONTEXTS,
     Profile,
     UnknownProfileError,

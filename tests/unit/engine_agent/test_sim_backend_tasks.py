@@ -13,7 +13,7 @@ from engine_agent.domain import (
     SamplingSpec,
     TokenEvent,
 )
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from switchyard.clock import MonotonicClock
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec, Timings, Usage
 from engine_agent.sim.engine import SimEngine, StepResult
-from engine_agent.sim.perf_model import BatchShape, PerfCoefficients, batch_time_s
-from engine_agent.sim.profiles import Profile, get_profile
+from switchyard.perf_model import BatchShape, PerfCoefficients, batch_time_s
+from switchyard.profiles import Profile, get_profile
 
 BASE = get_profile("h100-llama3-8b")
 

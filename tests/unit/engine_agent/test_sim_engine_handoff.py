@@ -19,7 +19,7 @@ from engine_agent.domain import (
     Usage,
 )
 from engine_agent.sim.engine import SimEngine
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.sim.ticket import cut_from_ticket
 from switchyard.clock import MonotonicClock
 

@@ -14,7 +14,7 @@ from engine_agent.backends.sim import SimBackend
 from engine_agent.domain import BackendRequest, HiddenStateBatch, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.hidden_states import HiddenStateNoise, SyntheticHiddenStates
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from switchyard.clock import MonotonicClock
 
 PROFILE = get_profile("h100-llama3-8b")

@@ -14,7 +14,7 @@ from engine_agent.lens import LensConfig, LensController, PlanLimits
 from engine_agent.lens.perf_model import SATURATED_K, LatencyModel, LatencyParams
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.lens_adapter import SimLens
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from loadgen.cli import main
 from loadgen.simulate import parse_engines
 

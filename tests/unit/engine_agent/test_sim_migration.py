@@ -26,7 +26,7 @@ from engine_agent.domain import (
 from engine_agent.output_text import OutputText
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.migration import MigrationCut
-from engine_agent.sim.profiles import Profile, get_profile
+from switchyard.profiles import Profile, get_profile
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import MonotonicClock
 

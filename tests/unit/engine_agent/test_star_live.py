@@ -23,7 +23,7 @@ from engine_agent.config import AgentConfig
 from engine_agent.domain import HiddenStateBatch, HiddenStateSample, RequestId
 from engine_agent.server import AgentStartupError, StarSetup, open_star
 from engine_agent.service import AgentService
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.star.history import HistoryTable
 from engine_agent.star.live import MlpPredictor, PredictionRow, RunningRequest, StarLive
 from engine_agent.star.mlp import MLP

@@ -8,7 +8,7 @@ import pytest
 
 from engine_agent.backends.sim import SimBackend
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
-from engine_agent.sim.profiles import MIN_FULL_CONTEXTS, get_profile, known_profiles
+from switchyard.profiles import MIN_FULL_CONTEXTS, get_profile, known_profiles
 from switchyard.clock import MonotonicClock
 from switchyard.hardware import MODELS
 

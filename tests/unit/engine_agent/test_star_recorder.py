@@ -17,7 +17,7 @@ from engine_agent.config import AgentConfig
 from engine_agent.domain import HiddenStateBatch, HiddenStateSample, RequestId
 from engine_agent.server import AgentStartupError, open_recorder
 from engine_agent.service import AgentService, StreamEnd
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.star.recorder import HiddenStateRecorder
 from engine_agent.star.shards import ShardError, ShardWriter, load_shards
 from engine_agent.tokenization import Tokenizer

@@ -12,7 +12,7 @@ from loadgen_testkit import Recording, record_policies
 from engine_agent.backends.sim import SimBackend
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec, TokenEvent
 from engine_agent.sim.engine import SimEngine
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.sim.reporting import ChangeGate
 from gateway.cluster.state import ClusterState
 from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from gateway.planning.combos import Slo
 from gateway.planning.cost_model import Workload
 from gateway.planning.plan_file import Plan

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from gateway.planning.autoscaler import ScaleIn, ScaleOut
 from gateway.planning.combos import Slo
 from gateway.planning.cost_model import Workload

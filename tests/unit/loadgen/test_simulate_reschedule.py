@@ -15,7 +15,7 @@ import pytest
 
 from engine_agent.domain import BackendRequest, MigrationRefused, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
-from engine_agent.sim.profiles import get_profile
+from switchyard.profiles import get_profile
 from engine_agent.star.history import HistoryTable
 from engine_agent.star.mlp import MLP
 from engine_agent.star.predictor import LengthPredictor, PredictorMeta

@@ -2,7 +2,7 @@
 
 Owns: `Profile` (engine limits, KV capacity derived from memory, performance-model factors, the output-length
 distribution), the registry of named profiles and `get_profile` / `known_profiles`.
-Must not: schedule, time iterations (that is `engine_agent.sim.perf_model`) or hold mutable state.
+Must not: schedule, time iterations (that is `switchyard.perf_model`) or hold mutable state.
 
 Names: `{gpu}-{model}` at tensor parallelism 1 and `{gpu}x{tp}-{model}` above it (`h100x4-llama3-70b`).
 """

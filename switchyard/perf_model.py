@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Self
 
-from engine_agent.sim.profiles import Profile
+from switchyard.profiles import Profile
 
 
 def heterogeneity_factor(num_seqs: int, context_sum_tokens: int, context_max_tokens: int, alpha: float,
