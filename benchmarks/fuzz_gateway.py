@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO / "tests" / "fuzz"))  # the case generator is the fu
 
 from api_fuzz import Case, generate_cases, send_all  # noqa: E402
 
-from switchyard.profiles import get_profile  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from launcher.local_fleet import AgentSpec, LocalFleet  # noqa: E402
+from switchyard.profiles import get_profile  # noqa: E402
 
 PROFILE = "h100-llama3-8b"
 

@@ -46,7 +46,6 @@ import aiohttp
 import grpc
 
 from engine_agent.config import AgentConfig
-from switchyard.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
 from gateway.rescheduling.star import StarParams
 from launcher.local_fleet import AgentSpec, LocalFleet, terminate
@@ -57,6 +56,7 @@ from loadgen.live import EngineTokenizer, LiveOptions, prepare_requests, run_liv
 from loadgen.metrics import parse_slo, summarize
 from loadgen.paths import resolve_data_dir
 from loadgen.simulate import EngineSpec, SimOptions, simulate
+from switchyard.profiles import get_profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 

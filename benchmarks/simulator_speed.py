@@ -25,11 +25,11 @@ from typing import Any
 
 from engine_agent.domain import BackendRequest, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
-from switchyard.profiles import get_profile
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.datasets import Request, load_dataset
 from loadgen.paths import resolve_data_dir
 from loadgen.simulate import EngineSpec, SimOptions, simulate
+from switchyard.profiles import get_profile
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = "h100-llama3-8b"

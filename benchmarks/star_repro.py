@@ -116,8 +116,8 @@ def _predictor(path: str | None) -> Any:
     if path is None:
         return None
     if path not in _PREDICTOR:
-        from switchyard.profiles import get_profile  # noqa: PLC0415
         from engine_agent.star.predictor import LengthPredictor  # noqa: PLC0415
+        from switchyard.profiles import get_profile  # noqa: PLC0415
 
         _PREDICTOR[path] = LengthPredictor.load(Path(path),
                                                 expected_hidden_size=get_profile(PROFILE).model.hidden_size)

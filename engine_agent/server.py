@@ -46,13 +46,13 @@ from engine_agent.backends.sim import SimBackend
 from engine_agent.config import ORACLE, AgentConfig
 from engine_agent.link_security import LinkSecurity, LinkSecurityError, load_link_security
 from engine_agent.service import AgentService, StreamEnd
-from switchyard.profiles import get_profile
 from engine_agent.star.live import MlpPredictor, OraclePredictor, OutputTargets, SamplePredictor, StarLive
 from engine_agent.star.predictor import LengthPredictor, PredictorFileError
 from engine_agent.star.recorder import HiddenStateRecorder
 from engine_agent.star.shards import ShardWriter
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock, MonotonicClock
+from switchyard.profiles import get_profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 from switchyard.roles import DECODE_ROLE, PREFILL_ROLE

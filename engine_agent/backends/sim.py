@@ -72,9 +72,9 @@ from engine_agent.lens.perf_model import import_fit_dependencies
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.migration import MigrationCut
-from switchyard.profiles import Profile
 from engine_agent.sim.ticket import cut_from_ticket, ticket_for_cut
 from switchyard.clock import Clock
+from switchyard.profiles import Profile
 from switchyard.roles import PREFILL_ROLE
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ Must not: import asyncio, grpc or the backends' drivers; read clocks; do I/O.
 """
 
 from engine_agent.sim.engine import IterationRecord, SimEngine, StepResult
+from switchyard.hardware import GPUS, MODELS, GpuSpec, ModelShape
 from switchyard.perf_model import (
     BatchShape,
     PerfCoefficients,
@@ -15,7 +16,6 @@ from switchyard.perf_model import (
     iteration_time_s,
 )
 from switchyard.profiles import Profile, UnknownProfileError, get_profile, known_profiles
-from switchyard.hardware import GPUS, MODELS, GpuSpec, ModelShape
 
 __all__ = [
     "GPUS",

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 from engine_agent.domain import LensFigures, RequestId
 from engine_agent.lens import LensConfig, LensController, PlanLimits, QueueView
-from switchyard.profiles import Profile
 from engine_agent.sim.sequence import WAITING, Seq
+from switchyard.profiles import Profile
 
 if TYPE_CHECKING:
     from engine_agent.sim.engine import IterationRecord

@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from switchyard.profiles import UnknownProfileError, get_profile, known_profiles
 from engine_agent.star.collect import CollectError, CollectOptions, RequestLoader, collect
 from engine_agent.star.evaluate import METHODS, evaluate
 from engine_agent.star.predictor import LengthPredictor, PredictorFileError
 from engine_agent.star.shards import ShardError, count_rows, load_shards
 from engine_agent.star.training import DEFAULT_WIDTHS, TrainConfig, train_predictor
+from switchyard.profiles import UnknownProfileError, get_profile, known_profiles
 
 PROG = "switchyard predictor"
 

@@ -18,11 +18,11 @@ from typing import Any
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.lens_adapter import SimLens
-from switchyard.profiles import TENSOR_PARALLEL_DEGREES, get_profile, known_profiles, profile_name
 from gateway.domain import EngineId
 from loadgen.simulate.predictions import PredictionRounds, remaining_lengths
 from loadgen.simulate.reports import ReportFeed, describe_engine
 from loadgen.simulate.spec import LENS_STATE_POLICIES, EngineSpec, SimOptions
+from switchyard.profiles import TENSOR_PARALLEL_DEGREES, get_profile, known_profiles, profile_name
 from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 # Bound on the token ids held by a `PromptIds` cache (8 bytes each): beyond it, tuples are made per request.

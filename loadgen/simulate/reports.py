@@ -35,11 +35,11 @@ from dataclasses import replace
 from engine_agent.domain import EngineStats
 from engine_agent.proto_codec import engine_state
 from engine_agent.sim.engine import SimEngine
-from switchyard.profiles import Profile
 from engine_agent.sim.reporting import ChangeGate
 from engine_agent.star.live import StarRound
 from gateway.domain import EngineDescription, EngineId, EngineReport
 from gateway.engines.grpc_client import from_engine_state
+from switchyard.profiles import Profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 
 SIM_BACKEND = "sim"

@@ -22,11 +22,11 @@ import pytest_asyncio
 from aiohttp import web
 from api_fuzz import Case, generate_cases, send_all
 
-from switchyard.profiles import get_profile
 from gateway.api.openapi import openapi_document
 from gateway.app import METRICS_KEY, STORE_KEY, build_app, running
 from gateway.config import GatewayConfig
 from launcher.local_fleet import AgentSpec, LocalFleet
+from switchyard.profiles import get_profile
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 

@@ -8,9 +8,9 @@ import grpc
 
 from engine_agent.backends.sim import SimBackend
 from engine_agent.service import AgentService
-from switchyard.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 

@@ -20,9 +20,9 @@ from engine_agent.config import AgentConfig, VllmConfig
 from engine_agent.domain import BackendEvent, BackendRequest, EngineStatic, EngineStats, RequestId
 from engine_agent.server import backend_capabilities
 from engine_agent.service import AgentService
-from switchyard.profiles import get_profile
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 

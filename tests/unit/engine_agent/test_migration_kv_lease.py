@@ -10,8 +10,8 @@ from engine_agent.__main__ import build_agent_argparser, config_from_args
 from engine_agent.backends.sim import SimBackend
 from engine_agent.config import VllmConfig
 from engine_agent.domain import BackendRequest, RequestId, SamplingSpec, TokenEvent
-from switchyard.profiles import get_profile
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 
 
 def test_the_lease_flag_defaults_to_30_s_and_sets_the_config() -> None:

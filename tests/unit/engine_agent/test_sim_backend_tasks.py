@@ -13,8 +13,8 @@ from engine_agent.domain import (
     SamplingSpec,
     TokenEvent,
 )
-from switchyard.profiles import get_profile
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 
 
 def _pending_except_me() -> set[asyncio.Task[object]]:

@@ -19,9 +19,9 @@ from engine_agent.domain import (
     Usage,
 )
 from engine_agent.sim.engine import SimEngine
-from switchyard.profiles import get_profile
 from engine_agent.sim.ticket import cut_from_ticket
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 
 BASE = get_profile("h100-llama3-8b")
 

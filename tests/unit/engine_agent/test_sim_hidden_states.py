@@ -14,8 +14,8 @@ from engine_agent.backends.sim import SimBackend
 from engine_agent.domain import BackendRequest, HiddenStateBatch, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.hidden_states import HiddenStateNoise, SyntheticHiddenStates
-from switchyard.profiles import get_profile
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 
 PROFILE = get_profile("h100-llama3-8b")
 HIDDEN = PROFILE.model.hidden_size

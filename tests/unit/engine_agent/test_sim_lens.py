@@ -14,9 +14,9 @@ from engine_agent.lens import LensConfig, LensController, PlanLimits
 from engine_agent.lens.perf_model import SATURATED_K, LatencyModel, LatencyParams
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.lens_adapter import SimLens
-from switchyard.profiles import get_profile
 from loadgen.cli import main
 from loadgen.simulate import parse_engines
+from switchyard.profiles import get_profile
 
 PROFILE = get_profile("h100-llama3-8b")  # max_batched_tokens 8192
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "data"

@@ -26,9 +26,9 @@ from engine_agent.domain import (
 from engine_agent.output_text import OutputText
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.migration import MigrationCut
-from switchyard.profiles import Profile, get_profile
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import Profile, get_profile
 
 BASE = get_profile("h100-llama3-8b")
 KV_PER_TOKEN = BASE.model.kv_bytes_per_token  # 131072 bytes: 32 layers x 8 KV heads x 128 x (K, V) x bf16

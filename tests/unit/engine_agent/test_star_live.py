@@ -23,13 +23,13 @@ from engine_agent.config import AgentConfig
 from engine_agent.domain import HiddenStateBatch, HiddenStateSample, RequestId
 from engine_agent.server import AgentStartupError, StarSetup, open_star
 from engine_agent.service import AgentService
-from switchyard.profiles import get_profile
 from engine_agent.star.history import HistoryTable
 from engine_agent.star.live import MlpPredictor, PredictionRow, RunningRequest, StarLive
 from engine_agent.star.mlp import MLP
 from engine_agent.star.predictor import LengthPredictor, PredictorMeta
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.star_load import DEFAULT_HORIZON, engine_summary
 

@@ -8,9 +8,9 @@ import pytest
 
 from engine_agent.backends.sim import SimBackend
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
-from switchyard.profiles import MIN_FULL_CONTEXTS, get_profile, known_profiles
 from switchyard.clock import MonotonicClock
 from switchyard.hardware import MODELS
+from switchyard.profiles import MIN_FULL_CONTEXTS, get_profile, known_profiles
 
 DISTILL = "deepseek-r1-distill-qwen-7b"
 QWEN3 = "qwen3-14b"

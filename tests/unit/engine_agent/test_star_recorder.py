@@ -17,12 +17,12 @@ from engine_agent.config import AgentConfig
 from engine_agent.domain import HiddenStateBatch, HiddenStateSample, RequestId
 from engine_agent.server import AgentStartupError, open_recorder
 from engine_agent.service import AgentService, StreamEnd
-from switchyard.profiles import get_profile
 from engine_agent.star.recorder import HiddenStateRecorder
 from engine_agent.star.shards import ShardError, ShardWriter, load_shards
 from engine_agent.tokenization import Tokenizer
 from launcher.cli import main as switchyard_main
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 
 PROFILE = get_profile("h100-llama3-8b")

@@ -12,7 +12,6 @@ from loadgen_testkit import Recording, record_policies
 from engine_agent.backends.sim import SimBackend
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec, TokenEvent
 from engine_agent.sim.engine import SimEngine
-from switchyard.profiles import get_profile
 from engine_agent.sim.reporting import ChangeGate
 from gateway.cluster.state import ClusterState
 from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport
@@ -20,6 +19,7 @@ from loadgen.datasets import Request
 from loadgen.simulate import EngineSpec, SimOptions, parse_engines, simulate
 from loadgen.simulate.reports import ReportFeed, describe_engine, report_from_stats
 from switchyard.clock import MonotonicClock
+from switchyard.profiles import get_profile
 
 H100 = "h100-llama3-8b"
 A6000 = "a6000-llama3-8b"

@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from switchyard.profiles import get_profile
 from gateway.planning.combos import Slo
 from gateway.planning.cost_model import Workload
 from gateway.planning.plan_file import Plan
@@ -18,6 +17,7 @@ from loadgen.simulate.fleet import combo_engines
 from loadgen.simulate.scaling import plan_engines
 from loadgen.simulate.spec import parse_engines
 from switchyard.hardware import MODELS
+from switchyard.profiles import get_profile
 
 H800, H20 = "h800-llama3-8b", "h20-llama3-8b"
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from switchyard.profiles import get_profile
 from gateway.planning.autoscaler import ScaleIn, ScaleOut
 from gateway.planning.combos import Slo
 from gateway.planning.cost_model import Workload
@@ -20,6 +19,7 @@ from loadgen.datasets import Request
 from loadgen.simulate import Scaling, SimOptions, simulate
 from loadgen.simulate.fleet import combo_engines
 from switchyard.hardware import GPUS, MODELS
+from switchyard.profiles import get_profile
 
 H100 = "h100-llama3-8b"
 

@@ -15,7 +15,6 @@ import pytest
 
 from engine_agent.domain import BackendRequest, MigrationRefused, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine
-from switchyard.profiles import get_profile
 from engine_agent.star.history import HistoryTable
 from engine_agent.star.mlp import MLP
 from engine_agent.star.predictor import LengthPredictor, PredictorMeta
@@ -31,6 +30,7 @@ from loadgen.simulate.balance import balance_figures, exec_time_variance_ms2, fo
 from loadgen.simulate.predictions import BinnedLengths, PredictionRounds, exact_lengths, remaining_lengths
 from loadgen.simulate.reports import ReportFeed, describe_engine
 from switchyard.clock import ManualClock
+from switchyard.profiles import get_profile
 
 H100 = "h100-llama3-8b"
 E0, E1 = f"{H100}-0", f"{H100}-1"
