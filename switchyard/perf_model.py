@@ -19,6 +19,25 @@ The model (every term in seconds; work is split evenly over the tensor-parallel 
                          (two ring all-reduces per layer, attention and MLP outputs; 0 when tp == 1)
     F = tp * peak FLOP/s * compute_efficiency,  B = tp * bandwidth * memory_efficiency
 
+Pipeline parallelism (pp > 1 stages of tp GPUs; Cascadia App. B): the batch is split into m = min(pp, seqs)
+micro-batches kept in flight (at most one per stage), so every stage is busy and each sequence gets one token
+per round trip of its micro-batch through all stages. A micro-batch of 1/m of the batch passes stage s in its
+share of the full-model time (its layers' weights, FLOPs and all-reduces), so the round trip is the whole
+model's time for 1/m of the batch plus one activation hand-over per stage boundary:
+
+    time(pp) = time(batch / m) + (pp - 1) * (p2p_latency + num_tokens / m * hidden * dtype_bytes / link)
+
+where batch / m divides every count and sum of the batch (sequences, tokens, attention pairs, contexts; the
+longest context stays) and time(...) is the single-pass formula above on tp GPUs. Each step of the engine is
+then one round (one token per sequence), so pp gives data-parallel-like throughput (m smaller batches at once)
+at the latency of one full pass, and more KV room (weights split over stages; `switchyard.profiles`). The
+hand-over uses the GPU's `interconnect_gb_s` and, as its latency, `allreduce_latency_s` (one send, the same
+order as a small all-reduce). The CPU overhead is paid once per micro-batch pass. At pp = 1 the result is the
+single-pass formula, bit for bit.
+
+The counts may be floats (means): the planner's analytic stage model (`gateway/cascade/plan/stage_latency.py`)
+times a steady-state mean batch with the same formula the simulated GPU steps with.
+
 Linear layers and attention are separate kernels, so each gets its own roofline and the two add up; this makes
 an iteration's "attention part" a term of its own, which the heterogeneity factor multiplies.
 """
@@ -31,7 +50,7 @@ from typing import Self
 from switchyard.profiles import Profile
 
 
-def heterogeneity_factor(num_seqs: int, context_sum_tokens: int, context_max_tokens: int, alpha: float,
+def heterogeneity_factor(num_seqs: float, context_sum_tokens: float, context_max_tokens: float, alpha: float,
                          cap: float) -> float:
     """Slowdown of decode attention for a batch of mixed context lengths, relative to a homogeneous batch.
 
@@ -66,6 +85,10 @@ class PerfCoefficients:
     allreduce_s_per_token: float  # 2 * L * 2 * (tp - 1) / tp * hidden * dtype_bytes / link bytes/s
     heterogeneity_alpha: float
     heterogeneity_cap: float
+    # Pipeline parallelism (module docstring): stages, and the hand-over cost per stage boundary.
+    pipeline_parallel: int = 1
+    p2p_fixed_s: float = 0.0  # latency of one activation send between stages
+    p2p_s_per_token: float = 0.0  # hidden * dtype_bytes / link bytes/s
 
     @classmethod
     def from_profile(cls, profile: Profile) -> Self:
@@ -79,6 +102,12 @@ class PerfCoefficients:
             allreduce_s_per_token = 2 * model.num_layers * ring_bytes_per_token / link_bytes_per_s
         else:
             allreduce_fixed_s = allreduce_s_per_token = 0.0
+        pp = profile.pipeline_parallel
+        if pp > 1:
+            p2p_fixed_s = gpu.allreduce_latency_s
+            p2p_s_per_token = model.hidden_size * model.dtype_bytes / (gpu.interconnect_gb_s * 1e9)
+        else:
+            p2p_fixed_s = p2p_s_per_token = 0.0
         return cls(
             overhead_s=profile.iteration_overhead_s,
             per_seq_overhead_s=profile.per_seq_overhead_s,
@@ -92,16 +121,40 @@ class PerfCoefficients:
             allreduce_s_per_token=allreduce_s_per_token,
             heterogeneity_alpha=profile.heterogeneity_alpha,
             heterogeneity_cap=profile.heterogeneity_cap,
+            pipeline_parallel=pp,
+            p2p_fixed_s=p2p_fixed_s,
+            p2p_s_per_token=p2p_s_per_token,
         )
 
 
-def iteration_time_s(c: PerfCoefficients, num_prefill_seqs: int, num_prefill_tokens: int,
-                     prefill_attention_pairs: int, prefill_prior_tokens: int, num_decode_seqs: int,
-                     decode_context_sum_tokens: int, decode_context_max_tokens: int) -> float:
+def iteration_time_s(c: PerfCoefficients, num_prefill_seqs: float, num_prefill_tokens: float,
+                     prefill_attention_pairs: float, prefill_prior_tokens: float, num_decode_seqs: float,
+                     decode_context_sum_tokens: float, decode_context_max_tokens: float) -> float:
     """Seconds one iteration takes (formulas in the module docstring); 0.0 for an empty batch.
 
-    A decode sequence computes one token; its context is the tokens it attends to, itself included.
+    A decode sequence computes one token; its context is the tokens it attends to, itself included. With
+    pipeline parallelism, one round of the batch's micro-batches through every stage (one token per sequence).
     """
+    if c.pipeline_parallel == 1:
+        return _pass_time_s(c, num_prefill_seqs, num_prefill_tokens, prefill_attention_pairs,
+                            prefill_prior_tokens, num_decode_seqs, decode_context_sum_tokens,
+                            decode_context_max_tokens)
+    num_seqs = num_prefill_seqs + num_decode_seqs
+    if num_seqs <= 0:
+        return 0.0
+    pp = c.pipeline_parallel
+    m = float(pp) if num_seqs >= pp else max(float(num_seqs), 1.0)
+    pass_s = _pass_time_s(c, num_prefill_seqs / m, num_prefill_tokens / m, prefill_attention_pairs / m,
+                          prefill_prior_tokens / m, num_decode_seqs / m, decode_context_sum_tokens / m,
+                          decode_context_max_tokens)
+    micro_tokens = (num_prefill_tokens + num_decode_seqs) / m
+    return pass_s + (pp - 1) * (c.p2p_fixed_s + c.p2p_s_per_token * micro_tokens)
+
+
+def _pass_time_s(c: PerfCoefficients, num_prefill_seqs: float, num_prefill_tokens: float,
+                 prefill_attention_pairs: float, prefill_prior_tokens: float, num_decode_seqs: float,
+                 decode_context_sum_tokens: float, decode_context_max_tokens: float) -> float:
+    """One pass of a batch through the whole model on tp GPUs (the pp = 1 formula)."""
     num_seqs = num_prefill_seqs + num_decode_seqs
     if num_seqs == 0:
         return 0.0

@@ -1,10 +1,23 @@
-"""Simulated engine profiles: a GPU, a model and a tensor-parallel degree, with everything derived from them.
+"""Simulated engine profiles: a GPU, a model, tensor- and pipeline-parallel degrees, everything derived from
+them.
 
 Owns: `Profile` (engine limits, KV capacity derived from memory, performance-model factors, the output-length
-distribution), the registry of named profiles and `get_profile` / `known_profiles`.
+distribution), the registry of named profiles, `get_profile` / `known_profiles`, and `build_profile` (any
+(gpu, model, tp, pp) shape, None when it does not fit: the planners' search space).
 Must not: schedule, time iterations (that is `switchyard.perf_model`) or hold mutable state.
 
-Names: `{gpu}-{model}` at tensor parallelism 1 and `{gpu}x{tp}-{model}` above it (`h100x4-llama3-70b`).
+Names: `{gpu}-{model}` at tensor parallelism 1 and `{gpu}x{tp}-{model}` above it (`h100x4-llama3-70b`); with
+pipeline parallelism pp > 1, `{gpu}x{tp}p{pp}-{model}` (`h100x2p2-llama3-70b`, `h100x1p4-llama3-70b`). The
+registry holds pp = 1 profiles only; pp shapes come from `build_profile`.
+
+Pipeline parallelism (Cascadia §3.2, App. B): a replica is pp stages of tp GPUs each, tp * pp GPUs in all (its
+price counts them all). Layers split as evenly as possible: the first `num_layers mod pp` stages hold one
+layer more (ceil), the rest floor(num_layers / pp); stage 0 also holds the input embedding, the last stage
+the final norm and the LM head (a copy of the embedding when tied). Every stage keeps the activation reserve
+of a full iteration (a micro-batch may carry the whole token budget when the batch has fewer sequences than
+stages); only the last stage keeps the logits. A stage's KV holds its own layers for every token, so the
+replica's KV capacity (in tokens, hence blocks of all layers) is the smallest over stages of free bytes /
+(its layers x KV per layer). At pp = 1 every figure is the single-stage formula, unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ SHAREGPT_OUTPUT_LOG_STD = 1.001
 # A profile is registered only if its KV cache holds at least this many full-length contexts.
 MIN_FULL_CONTEXTS = 4
 TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
+PIPELINE_PARALLEL_DEGREES = (1, 2, 3, 4)
 
 
 class UnknownProfileError(ValueError):
@@ -48,6 +62,12 @@ def activation_reserve_bytes(model: ModelShape, tensor_parallel: int, max_batche
     return tensor_parallel * (FIXED_RESERVE_BYTES_PER_GPU + activations + logits)
 
 
+def stage_layers(num_layers: int, pipeline_parallel: int) -> tuple[int, ...]:
+    """Layers per pipeline stage: the first `num_layers mod pp` stages get one more (80 / 3: 27, 27, 26)."""
+    base, extra = divmod(num_layers, pipeline_parallel)
+    return tuple(base + (1 if s < extra else 0) for s in range(pipeline_parallel))
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """One simulated engine configuration; `kv_blocks_total` is derived (and re-derived by `replace`)."""
@@ -56,6 +76,7 @@ class Profile:
     gpu: GpuSpec
     model: ModelShape
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048
@@ -81,6 +102,10 @@ class Profile:
             raise ValueError(f"tensor_parallel must be one of {TENSOR_PARALLEL_DEGREES}, got {tp}")
         if self.model.num_kv_heads % tp or self.model.num_attention_heads % tp:
             raise ValueError(f"{self.model.name} heads do not divide over tensor_parallel={tp}")
+        pp = self.pipeline_parallel
+        if pp not in PIPELINE_PARALLEL_DEGREES or pp > self.model.num_layers:
+            raise ValueError(f"pipeline_parallel must be one of {PIPELINE_PARALLEL_DEGREES} "
+                             f"(and at most the model's layers), got {pp}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_batched_tokens must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -97,7 +122,7 @@ class Profile:
             derived = override
         if derived <= 0:
             raise ValueError(f"profile {self.name!r}: {self.model.name} does not fit on "
-                             f"{self.tensor_parallel} x {self.gpu.display_name} (no memory left for KV)")
+                             f"{self.num_gpus} x {self.gpu.display_name} (no memory left for KV)")
         object.__setattr__(self, "kv_blocks_total", derived)
 
     @property
@@ -113,18 +138,46 @@ class Profile:
         return self.kv_blocks_total * self.block_size
 
     @property
+    def num_gpus(self) -> int:
+        """GPUs one engine of this profile occupies: tp * pp."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
     def hourly_price_usd(self) -> float:
-        return self.gpu.hourly_price_usd * self.tensor_parallel
+        return self.gpu.hourly_price_usd * self.num_gpus
 
     def derived_kv_blocks(self) -> int:
-        """(tp * memory * utilization - weight bytes - activation reserve) / bytes per block, floored."""
+        """(tp * memory * utilization - weight bytes - activation reserve) / bytes per block, floored.
+
+        With pp > 1, the same per stage over its own layers and weights, the smallest stage deciding (module
+        docstring)."""
         usable = self.tensor_parallel * self.gpu.memory_gb * BYTES_PER_GB * self.gpu_memory_utilization
-        reserve = activation_reserve_bytes(self.model, self.tensor_parallel, self.max_batched_tokens,
-                                           self.max_num_seqs)
-        return int((usable - self.model.weight_bytes - reserve) // self.kv_bytes_per_block)
+        if self.pipeline_parallel == 1:
+            reserve = activation_reserve_bytes(self.model, self.tensor_parallel, self.max_batched_tokens,
+                                               self.max_num_seqs)
+            return int((usable - self.model.weight_bytes - reserve) // self.kv_bytes_per_block)
+        model, tp = self.model, self.tensor_parallel
+        with_logits = activation_reserve_bytes(model, tp, self.max_batched_tokens, self.max_num_seqs)
+        without_logits = activation_reserve_bytes(model, tp, self.max_batched_tokens, 0)
+        kv_bytes_per_layer_block = self.block_size * 2 * model.kv_dim * model.dtype_bytes
+        layers = stage_layers(model.num_layers, self.pipeline_parallel)
+        last = len(layers) - 1
+        blocks: list[int] = []
+        for stage, n in enumerate(layers):
+            weights = n * model.params_per_layer
+            if stage == 0:
+                weights += model.embedding_params
+            if stage == last:
+                weights += model.embedding_params + model.hidden_size  # LM head (or tied copy), final norm
+            reserve = with_logits if stage == last else without_logits
+            free = usable - weights * model.dtype_bytes - reserve
+            blocks.append(int(free // (n * kv_bytes_per_layer_block)))
+        return min(blocks)
 
 
-def profile_name(gpu: str, model: str, tensor_parallel: int) -> str:
+def profile_name(gpu: str, model: str, tensor_parallel: int, pipeline_parallel: int = 1) -> str:
+    if pipeline_parallel != 1:
+        return f"{gpu}x{tensor_parallel}p{pipeline_parallel}-{model}"
     return f"{gpu}-{model}" if tensor_parallel == 1 else f"{gpu}x{tensor_parallel}-{model}"
 
 
@@ -138,17 +191,29 @@ def _scheduler_limits(gpu: GpuSpec) -> tuple[int, int]:
     return 256, 2048
 
 
-def _build(gpu: GpuSpec, model: ModelShape, tensor_parallel: int) -> Profile | None:
+def build_profile(gpu: GpuSpec, model: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
+                  min_full_contexts: int = MIN_FULL_CONTEXTS,
+                  gpu_memory_utilization: float = 0.9) -> Profile | None:
+    """The profile of any shape with vLLM's scheduler defaults for the GPU, or None when it is not a valid
+    shape (heads do not divide over tp, pp not in `PIPELINE_PARALLEL_DEGREES`) or its KV cache holds fewer
+    than `min_full_contexts` contexts of the model's maximum length (the registry's rule at the default of
+    4)."""
     max_num_seqs, max_batched_tokens = _scheduler_limits(gpu)
     try:
-        profile = Profile(name=profile_name(gpu.name, model.name, tensor_parallel), gpu=gpu, model=model,
-                          tensor_parallel=tensor_parallel, max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_batched_tokens)
+        name = profile_name(gpu.name, model.name, tensor_parallel, pipeline_parallel)
+        profile = Profile(name=name, gpu=gpu, model=model, tensor_parallel=tensor_parallel,
+                          pipeline_parallel=pipeline_parallel,
+                          max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                          gpu_memory_utilization=gpu_memory_utilization)
     except ValueError:
         return None
-    if profile.kv_capacity_tokens < MIN_FULL_CONTEXTS * model.max_context_tokens:
+    if profile.kv_capacity_tokens < min_full_contexts * model.max_context_tokens:
         return None
     return profile
+
+
+def _build(gpu: GpuSpec, model: ModelShape, tensor_parallel: int) -> Profile | None:
+    return build_profile(gpu, model, tensor_parallel)
 
 
 def _registry() -> dict[str, Profile]:

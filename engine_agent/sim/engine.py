@@ -55,12 +55,12 @@ from engine_agent.domain import (
 )
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.migration import EngineMigration, MigrationCut
-from switchyard.perf_model import PerfCoefficients, iteration_time_s
-from switchyard.profiles import Profile
 from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, Seq
 from engine_agent.sim.sequence import LCG_INC as _LCG_INC
 from engine_agent.sim.sequence import LCG_MUL as _LCG_MUL
 from engine_agent.sim.sequence import MASK64 as _MASK64
+from switchyard.perf_model import PerfCoefficients, iteration_time_s
+from switchyard.profiles import Profile
 
 
 @dataclass(frozen=True, slots=True)

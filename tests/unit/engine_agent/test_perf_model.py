@@ -118,3 +118,47 @@ def test_adding_any_sequence_never_makes_a_decode_batch_faster() -> None:
     base = [300, 900, 4000, 50]
     for extra in (1, 300, 4000, 8000):
         assert batch_time_s(H100_8B, decode(*base, extra)) > batch_time_s(H100_8B, decode(*base))
+
+
+# ------------------------------------------------------------------------------------ pipeline parallelism
+
+
+def _pp(tp: int, pp: int, model: str = "llama3-70b") -> PerfCoefficients:
+    from switchyard.hardware import GPUS, MODELS  # noqa: PLC0415
+    from switchyard.profiles import build_profile  # noqa: PLC0415
+
+    profile = build_profile(GPUS["h100"], MODELS[model], tp, pp, min_full_contexts=1)
+    assert profile is not None
+    return PerfCoefficients.from_profile(profile)
+
+
+def test_pp1_coefficients_carry_no_pipeline_and_keep_their_times() -> None:
+    assert (H100_8B.pipeline_parallel, H100_8B.p2p_fixed_s, H100_8B.p2p_s_per_token) == (1, 0.0, 0.0)
+    as_pp1 = dataclasses.replace(_pp(4, 2), pipeline_parallel=1, p2p_fixed_s=0.0, p2p_s_per_token=0.0)
+    tp4 = PerfCoefficients.from_profile(get_profile("h100x4-llama3-70b"))
+    for batch in (decode(512), decode(*[2048] * 32), prefill(2048)):
+        assert batch_time_s(as_pp1, batch) == batch_time_s(tp4, batch)  # bit for bit
+
+
+def test_pipeline_round_is_a_full_pass_of_one_micro_batch_plus_hand_overs() -> None:
+    c = _pp(4, 2)
+    assert c.p2p_fixed_s == pytest.approx(10e-6)
+    assert c.p2p_s_per_token == pytest.approx(8192 * 2 / 450e9)
+    single = dataclasses.replace(c, pipeline_parallel=1, p2p_fixed_s=0.0, p2p_s_per_token=0.0)
+    batch = decode(*[1000] * 64)
+    expected = batch_time_s(single, decode(*[1000] * 32)) + (c.p2p_fixed_s + 32 * c.p2p_s_per_token)
+    assert batch_time_s(c, batch) == pytest.approx(expected, rel=1e-12)
+    # Fewer sequences than stages: one micro-batch per sequence.
+    lone = batch_time_s(single, decode(1000)) + c.p2p_fixed_s + c.p2p_s_per_token
+    assert batch_time_s(c, decode(1000)) == pytest.approx(lone, rel=1e-12)
+    assert batch_time_s(c, BatchShape()) == 0.0
+
+
+def test_pipeline_raises_throughput_not_single_request_speed() -> None:
+    batch = decode(*[1000] * 128)
+    tp4, tp4pp2 = _pp(4, 1), _pp(4, 2)
+    # Same GPUs per stage: a lone sequence is no faster (plus a hand-over), a large batch is.
+    assert batch_time_s(tp4pp2, decode(1000)) > batch_time_s(tp4, decode(1000))
+    assert batch_time_s(tp4pp2, batch) < batch_time_s(tp4, batch)
+    pp4 = _pp(1, 4)
+    assert batch_time_s(pp4, decode(1000)) > batch_time_s(tp4, decode(1000))  # tp splits a pass, pp not

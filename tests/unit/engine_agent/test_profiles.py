@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from switchyard.hardware import BYTES_PER_GB, GPUS, MODELS
 from switchyard.profiles import (
     MIN_FULL_CONTEXTS,
     Profile,
@@ -15,7 +16,6 @@ from switchyard.profiles import (
     get_profile,
     known_profiles,
 )
-from switchyard.hardware import BYTES_PER_GB, GPUS, MODELS
 
 
 @pytest.mark.parametrize(
@@ -121,3 +121,61 @@ def test_invalid_profiles_are_rejected() -> None:
         Profile(name="x", gpu=GPUS["h100"], model=MODELS["llama3-8b"], tensor_parallel=3)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         Profile(name="x", gpu=GPUS["h100"], model=MODELS["llama3-8b"], gpu_memory_utilization=1.5)
+
+
+# ------------------------------------------------------------------------------------ pipeline parallelism
+
+
+def test_pipeline_profiles_are_named_priced_and_counted_over_tp_times_pp() -> None:
+    from switchyard.profiles import build_profile, profile_name  # noqa: PLC0415
+
+    profile = build_profile(GPUS["h100"], MODELS["llama3-70b"], 2, 2)
+    assert profile is not None
+    assert profile.name == "h100x2p2-llama3-70b" == profile_name("h100", "llama3-70b", 2, 2)
+    assert profile_name("h100", "llama3-70b", 4) == "h100x4-llama3-70b"  # pp = 1 names unchanged
+    assert profile.num_gpus == 4
+    assert profile.hourly_price_usd == pytest.approx(4 * GPUS["h100"].hourly_price_usd)
+    assert get_profile("h100x4-llama3-70b").num_gpus == 4
+    assert all(get_profile(n).pipeline_parallel == 1 for n in known_profiles())
+
+
+def test_stage_layers_split_evenly_with_the_remainder_first() -> None:
+    from switchyard.profiles import stage_layers  # noqa: PLC0415
+
+    assert stage_layers(80, 3) == (27, 27, 26)
+    assert stage_layers(32, 4) == (8, 8, 8, 8)
+    assert stage_layers(80, 1) == (80,)
+
+
+def test_pipeline_kv_follows_the_per_stage_memory_formula() -> None:
+    from switchyard.profiles import build_profile  # noqa: PLC0415
+
+    model, gpu = MODELS["llama3-70b"], GPUS["h100"]
+    profile = build_profile(gpu, model, 4, 2)
+    assert profile is not None
+    usable = 4 * 80 * BYTES_PER_GB * 0.9
+    per_layer_block = 16 * 2 * model.kv_dim * 2
+    first = usable - (40 * model.params_per_layer + model.embedding_params) * 2 - activation_reserve_bytes(
+        model, 4, profile.max_batched_tokens, 0)
+    last = usable - (40 * model.params_per_layer + model.embedding_params + model.hidden_size) * 2 - (
+        activation_reserve_bytes(model, 4, profile.max_batched_tokens, profile.max_num_seqs))
+    stage_bytes = 40 * per_layer_block
+    assert profile.kv_blocks_total == min(int(first // stage_bytes), int(last // stage_bytes))
+    # Weights split over stages: pp2 of tp4 holds far more KV than tp4 alone (one copy of the weights).
+    assert profile.kv_capacity_tokens > 2 * get_profile("h100x4-llama3-70b").kv_capacity_tokens
+
+
+def test_build_profile_returns_none_when_a_shape_does_not_fit() -> None:
+    from switchyard.profiles import build_profile  # noqa: PLC0415
+
+    model, gpu = MODELS["llama3-70b"], GPUS["h100"]
+    assert build_profile(gpu, model, 1, 1) is None  # 141 GB on 80 GB
+    assert build_profile(gpu, model, 1, 2, min_full_contexts=1) is None  # weights fit, no KV room at 0.9
+    assert build_profile(gpu, model, 1, 2, min_full_contexts=1, gpu_memory_utilization=0.95) is not None
+    assert build_profile(gpu, model, 1, 3, min_full_contexts=1) is not None
+    assert build_profile(gpu, model, 3, 1) is None  # tp must divide the heads
+    assert build_profile(gpu, model, 1, 5) is None  # pp outside 1..4
+    with pytest.raises(ValueError, match="pipeline_parallel"):
+        Profile(name="x", gpu=gpu, model=MODELS["llama3-8b"], pipeline_parallel=5)
+    # The registry's builder is build_profile at pp = 1 with four full contexts.
+    assert build_profile(gpu, model, 4) == get_profile("h100x4-llama3-70b")
