@@ -33,7 +33,8 @@ proto: setup
 # The pure decision cores (no I/O, no clock): mypy --strict over them; tests/unit/test_typing.py runs the same in CI.
 MYPY_STRICT_PATHS := gateway/domain.py gateway/policies gateway/cluster/state.py gateway/cluster/health.py \
 	gateway/dispatch/life.py gateway/dispatch/retry.py gateway/access gateway/admission/core.py \
-	gateway/dispatch/features.py engine_agent/domain.py engine_agent/sim engine_agent/lens gateway/rescheduling gateway/planning switchyard/hardware.py
+	gateway/dispatch/features.py engine_agent/domain.py engine_agent/sim engine_agent/lens gateway/rescheduling gateway/planning gateway/cascade/plan switchyard/hardware.py \
+	gateway/cascade/core.py gateway/cascade/quality.py gateway/cascade/judge_prompt.py
 
 lint: setup
 	$(BIN)/ruff check .

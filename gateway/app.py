@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import random
@@ -31,6 +32,8 @@ from gateway.api.access import AccessGate
 from gateway.api.admin import AdminRoutes
 from gateway.api.handlers import ApiHandlers, openai_error_middleware
 from gateway.api.openai_format import WallClock
+from gateway.cascade.judge import Judge, build_judge
+from gateway.cascade.serve import CascadeRunner, cluster_complete
 from gateway.cluster.health import OutlierParams
 from gateway.cluster.store import ClusterStore
 from gateway.config import ConfigError, GatewayConfig, load_plan_document, log_effective_config
@@ -82,10 +85,12 @@ def build_app(
     rng: random.Random | None = None,
     worker: WorkerSpec | None = None,
     actuator: Actuator | None = None,
+    judges: Mapping[str, Judge] | None = None,
 ) -> web.Application:
     """The gateway app. `engine_clients` replaces the engines and upstreams of `config` (tests, embedding);
     `worker`: this app is one of a multi-worker gateway's (see the module docstring); `actuator`: what
-    applies the autoscaler's actions (`config.autoscale`; `switchyard up` passes its local fleet)."""
+    applies the autoscaler's actions (`config.autoscale`; `switchyard up` passes its local fleet); `judges`:
+    each cascade's judge by cascade name (default: built from `config.cascades`' judge sections)."""
     clock = clock or MonotonicClock()
     log_effective_config(config, log)
     try:
@@ -157,6 +162,8 @@ def build_app(
         exposition=scrape.exposition if scrape is not None else None,
         plan=plan_document,
     )
+    if config.cascades:
+        handlers.cascades = _cascade_runner(config, dispatcher, metrics, clock, judges)
     app = web.Application(middlewares=[openai_error_middleware])
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics
@@ -183,6 +190,8 @@ def build_app(
             log.warning("admin endpoints on (/admin/*) and no API key file: anyone can call them")
     upstreams = () if engine_clients is not None else config.upstreams
     app.cleanup_ctx.append(_engines_ctx(upstreams))
+    if handlers.cascades is not None:
+        app.cleanup_ctx.append(_closing_ctx(handlers.cascades.close))  # unwound before the engines' ctx
     if config.autoscale.enabled and plan_document is not None:
         autoscale = _autoscale_loop(
             config, plan_document, handlers, store, grpc_client, clock, metrics, actuator
@@ -222,6 +231,27 @@ def _autoscale_loop(
         metrics=metrics,
         actuator=actuator,
     )
+
+
+def _cascade_runner(config: GatewayConfig, dispatcher: Dispatcher, metrics: GatewayMetrics, clock: Clock,
+                    judges: Mapping[str, Judge] | None) -> CascadeRunner:
+    """The cascades with their judges; a `cluster` judge calls its model through this gateway's fleet."""
+    built: dict[str, Judge] = dict(judges or {})
+    complete = functools.partial(cluster_complete, dispatcher, clock)
+    for cascade in config.cascades:
+        if cascade.name not in built:
+            built[cascade.name] = build_judge(cascade.judge, clock=clock, complete=complete)
+    return CascadeRunner(config.cascades, dispatcher=dispatcher, judges=built, metrics=metrics, clock=clock)
+
+
+def _closing_ctx(close: Callable[[], Awaitable[None]]) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await close()
+
+    return ctx
 
 
 def _star_proposer(policy: str, params: Mapping[str, float | int | bool]) -> Proposer:

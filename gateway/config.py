@@ -208,6 +208,70 @@ class AutoscaleConfig(_Frozen):
         return self
 
 
+class JudgeConfig(_Frozen):
+    """The LLM judge of a cascade (gateway.cascade.judge): who scores a stage's answer, and how."""
+
+    # "openai": any OpenAI-compatible chat endpoint (`url`, `model`); "cluster": a model this gateway serves
+    # (`model`), dispatched like any request; "profile": scores looked up in a quality profile by question
+    # text
+    # and judged model (the simulated fleet only: it never reads the answer).
+    kind: Literal["openai", "cluster", "profile"]
+    url: UpstreamUrl | None = None  # openai: the base URL, e.g. http://judge:8080/v1
+    model: str | None = Field(None, min_length=1)  # openai and cluster: the judge model's name
+    api_key: str | None = Field(None, min_length=1)  # openai: sent as a bearer token
+    timeout_s: float = Field(2.0, gt=0)  # a verdict later than this is a failure (on_judge_failure applies)
+    # "rating": FastChat's single-answer template asking for `Rating: [[k]]` only (a few tokens);
+    # "explain": FastChat's template verbatim (an explanation, then the rating).
+    output: Literal["rating", "explain"] = "rating"
+    max_tokens: int | None = Field(None, ge=1)  # None: 8 for rating, 1024 for explain
+    profile: str | None = Field(None, min_length=1)  # profile: a quality-profile JSON; None = the shipped one
+    failures_to_skip: int = Field(5, ge=1)  # this many failed verdicts in a row ...
+    # ... skip the judge this long (on_judge_failure applies, reason "skipped")
+    skip_s: float = Field(10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _complete(self) -> JudgeConfig:
+        if self.kind == "openai" and (self.url is None or self.model is None):
+            raise ValueError("an openai judge needs url and model")
+        if self.kind == "cluster" and self.model is None:
+            raise ValueError("a cluster judge needs model (a model this gateway serves)")
+        return self
+
+
+class CascadeStageConfig(_Frozen):
+    model: str = Field(min_length=1)
+    # Accept this stage's answer when the judge scores it at least this (0-100); the last stage has none.
+    threshold: float | None = Field(None, ge=0, le=100)
+
+
+class CascadeConfig(_Frozen):
+    """A cascade served as a model (Cascadia Fig. 4): stage 1 answers, the judge scores, below the stage's
+    threshold the request escalates to the next stage's model (gateway.cascade)."""
+
+    name: str = Field(min_length=1)
+    stages: tuple[CascadeStageConfig, ...]
+    judge: JudgeConfig
+    on_judge_failure: Literal["escalate", "accept"] = "escalate"
+    # "final_live": earlier stages are buffered, the last one streams as it is generated; "buffered": every
+    # stage is buffered and the answering one replayed (no byte leaves before the judge has spoken).
+    streaming: Literal["final_live", "buffered"] = "final_live"
+
+    @model_validator(mode="after")
+    def _shape(self) -> CascadeConfig:
+        if len(self.stages) < 2:
+            raise ValueError(f"cascade {self.name!r} needs at least 2 stages, got {len(self.stages)}")
+        for index, stage in enumerate(self.stages[:-1]):
+            if stage.threshold is None:
+                raise ValueError(f"cascade {self.name!r}: stage {index} ({stage.model}) needs a threshold")
+        if self.stages[-1].threshold is not None:
+            raise ValueError(f"cascade {self.name!r}: the last stage ({self.stages[-1].model}) always "
+                             "answers; it takes no threshold")
+        models = [s.model for s in self.stages]
+        if len(set(models)) != len(models):
+            raise ValueError(f"cascade {self.name!r}: a model appears twice in its stages")
+        return self
+
+
 class GatewayConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)  # 0 = any free port (tests)
@@ -248,6 +312,8 @@ class GatewayConfig(_Frozen):
     # A `switchyard plan --json` file (CAUCHY): at GET /v1/plan with the fleet's combos; None: no plan.
     plan_file: str | None = Field(None, min_length=1)
     autoscale: AutoscaleConfig = AutoscaleConfig()
+    # Cascades served as models (gateway.cascade); a request for a cascade's name runs its stages.
+    cascades: tuple[CascadeConfig, ...] = ()
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> GatewayConfig:
@@ -259,6 +325,13 @@ class GatewayConfig(_Frozen):
         if self.autoscale.enabled and self.workers != 1:
             raise ValueError("autoscale runs in a one-process gateway (workers: 1): it counts the arrivals, "
                              "and each worker of several sees only its share")
+        names = [c.name for c in self.cascades]
+        if len(set(names)) != len(names):
+            raise ValueError("cascades: two cascades share a name")
+        stage_models = {s.model for c in self.cascades for s in c.stages}
+        for name in names:
+            if name in stage_models:
+                raise ValueError(f"cascades: {name!r} is both a cascade and a stage model")
         return self
 
 

@@ -292,7 +292,10 @@ class EngineUnavailable(Exception):
 
 
 class EngineStreamError(Exception):
-    """The engine failed after the stream began (not retryable without duplicating output)."""
+    """The engine failed after the stream began (not retryable without duplicating output). The dispatcher
+    sets `engine_id` to the engine that failed."""
+
+    engine_id: EngineId | None = None
 
 
 class MigrationRefusedError(Exception):

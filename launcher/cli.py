@@ -54,6 +54,7 @@ from gateway.config import (
 )
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.workers.supervisor import WorkerFailed, supervise
+from launcher.cascade_up import JudgeStub, add_cascade_flags, cascade_configs, check_cascade_args
 from launcher.local_fleet import (
     BACKENDS,
     DEFAULT_START_TIMEOUT_S,
@@ -158,6 +159,7 @@ def build_up_parser() -> argparse.ArgumentParser:
         "simulated engine's exact lengths; vllm needs a FILE from `switchyard predictor train`)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_cascade_flags(p)
     return p
 
 
@@ -238,6 +240,7 @@ def check_up_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.length_predictor = "oracle"
     if args.length_predictor == "oracle" and backend == "vllm":
         parser.error("--length-predictor oracle is for the sim backend (its engines know their lengths)")
+    check_cascade_args(parser, args)
 
 
 class PlanEngine(NamedTuple):
@@ -343,6 +346,7 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     fleet = LocalFleet(specs, start_timeout_s=args.startup_timeout_s)
+    judge = JudgeStub(args)
     try:
         starting = asyncio.create_task(fleet.start())
         stopping = asyncio.create_task(stop.wait())
@@ -355,6 +359,8 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
         await asyncio.gather(stopping, return_exceptions=True)
         starting.result()
         models = await _served_models(specs)
+        await judge.start()
+        cascades = cascade_configs(args, judge.url) if args.cascade_specs and judge.url else []
         config = GatewayConfig(
             host=args.host,
             port=args.port,
@@ -366,6 +372,7 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
             log_level=args.log_level,
             reschedule=RescheduleConfig(policy=args.reschedule),
             autoscale=args.autoscale_config or AutoscaleConfig(),
+            cascades=tuple(cascades),
         )
         app = None
         if config.autoscale.enabled:  # this process applies the gateway's decisions to its local fleet
@@ -375,6 +382,11 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
 
         def announce(base_url: str) -> None:
             print(banner(base_url, specs, models, args.policy), flush=True)
+            for cascade in cascades:
+                stages = " -> ".join(
+                    s.model if s.threshold is None else f"{s.model} (accept at {s.threshold:g})"
+                    for s in cascade.stages)
+                print(f"  cascade {cascade.name}: {stages}; judge {cascade.judge.url}", flush=True)
 
         if config.workers == 1:
             await serve(config, stop=stop, on_listening=announce, handle_signals=False, app=app)
@@ -382,6 +394,7 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
             await supervise(config, stop=stop, on_listening=announce, handle_signals=False)
         return 0
     finally:
+        await judge.stop()
         await fleet.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -390,8 +403,8 @@ async def _up(args: argparse.Namespace, specs: list[AgentSpec]) -> int:
 def up(argv: Sequence[str]) -> int:
     parser = build_up_parser()
     args = parser.parse_args(argv)
-    from switchyard.profiles import known_profiles  # noqa: PLC0415 (only `up` needs the agent package)
     from gateway.policies.registry import POLICY_NAMES  # noqa: PLC0415
+    from switchyard.profiles import known_profiles  # noqa: PLC0415 (only `up` needs the agent package)
 
     check_up_args(parser, args)
     profiles = args.profile or ([DEFAULT_PROFILE] if args.backend == "sim" else [])

@@ -33,7 +33,16 @@ from pydantic import ValidationError
 
 from engine_agent.star.predictor import LengthPredictor
 from engine_agent.tokenization import Tokenizer
+from loadgen import cascade_plan
 from loadgen.arrivals import ArrivalSpec, schedule
+from loadgen.cascade_cli import (
+    cascade_config,
+    cascade_dataset,
+    cascade_flags,
+    cascade_sim,
+    check_cascade_fleet,
+    print_cascade,
+)
 from loadgen.compare import (
     ABLATION_ARMS,
     Variant,
@@ -200,6 +209,7 @@ def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
     g.add_argument("--autoscale-param", action="append", default=[], metavar="K=V",
                    help="Algorithm 1's parameters (ratio, local_window_s, global_window_s, provisioning_s, "
                         "grace_s, min_copies), as the gateway's --autoscale-param; repeatable")
+    cascade_flags(p.add_argument_group("Cascades (Cascadia, paper 001; docs/cascadia.md)"))
 
 
 def _star_flags(g: argparse._ArgumentGroup, single_arm: bool) -> None:
@@ -253,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--ablation", action="store_true",
                       help="NexusSched's four arms instead of --policies: static budget or LENS, each with "
                            "round_robin and prism")
+    cascade_plan.add_parser(sub)
     return parser
 
 
@@ -298,6 +309,8 @@ def load_requests(args: argparse.Namespace, tokenizer: Tokenizer, *, synthesize:
     lengths drawn from ``--output-lengths`` when given)."""
     if args.num_requests is not None and args.num_requests < 1:
         raise UsageError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if getattr(args, "cascade", None):
+        return cascade_dataset(args)
     is_path = args.dataset.startswith(("jsonl:", "sharegpt:"))
     try:
         data_dir: Path | None = resolve_data_dir(args.data_dir)
@@ -403,7 +416,8 @@ def _sim_options(args: argparse.Namespace, policy: str, engines: Sequence[Engine
                       kv_link_gbps=args.kv_link_gbps,
                       kv_transfer_latency_s=args.kv_transfer_latency_ms / 1000.0,
                       prediction_interval=args.prediction_interval, predictor=predictor,
-                      predictor_bins=args.predictor_bins, balance_figures=args.reschedule is not None)
+                      predictor_bins=args.predictor_bins, balance_figures=args.reschedule is not None,
+                      cascade=cascade_sim(args))
 
 
 def _star_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -431,6 +445,9 @@ def _print_balance(balance: dict[str, Any]) -> None:
 def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> None:
     from switchyard.profiles import get_profile  # noqa: PLC0415
 
+    if args.cascade:
+        check_cascade_fleet(args, engines)
+        return
     served = get_profile(engines[0].profile).model.name
     if args.model and args.model != served:
         raise UsageError(f"--model {args.model!r} is not the simulated engines' model {served!r}")
@@ -519,7 +536,7 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
              "events_processed": result.events_processed,
              "simulated_s_per_wall_s": result.simulated_s_per_wall_s, "timeline": result.timeline,
              "balance": result.balance, "cost_usd": result.cost_usd, "tokens_per_usd": result.tokens_per_usd,
-             "fleet_actions": result.fleet_actions, "handoffs": result.handoffs}
+             "fleet_actions": result.fleet_actions, "handoffs": result.handoffs, "cascade": result.cascade}
     config = {**_base_config(args, spec), "engines": args.engines if scaling is None else None,
               "plan": args.plan, "autoscale": args.autoscale,
               "autoscale_params": dataclasses.asdict(scaling.params) if scaling is not None else None,
@@ -528,7 +545,9 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
               "report_delay_ms": args.report_delay_ms, "lens": args.lens,
               "lens_state": not args.no_lens_state, "deciders": args.deciders,
               "decider_assignment": args.decider_assignment,
-              "reschedule": arm if args.reschedule else None, **_star_config(args)}
+              "reschedule": arm if args.reschedule else None, **_star_config(args), **cascade_config(args)}
+    if result.cascade is not None:
+        print_cascade(result.cascade)
     _write(args, {**summary.to_dict(), **extra}, config, result.outcomes, result.timeline,
            f"simulated {args.dataset}: {args.policy} on {fleet_label}")
     return 0 if summary.completed else 1
@@ -624,6 +643,8 @@ def main(argv: Sequence[str] | None = None, *, loop_factory: LoopFactory | None 
     """Parse ``argv`` and run the command; returns the exit status (2 for operator errors)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "cascade-plan":
+        return cascade_plan.run(args)
     try:
         spec = arrival_spec(args)
         if args.slo:

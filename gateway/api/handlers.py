@@ -44,11 +44,18 @@ from gateway.api.schemas import (
     parse_chat,
     parse_completion,
 )
+from gateway.cascade.serve import CascadeRunner, CascadeUnavailable
 from gateway.config import GatewayConfig
-from gateway.dispatch.dispatcher import ClientDisconnected, Dispatcher, NoEngineAvailable, RequestTimedOut
+from gateway.dispatch.dispatcher import (
+    ClientDisconnected,
+    Dispatcher,
+    EventSink,
+    NoEngineAvailable,
+    RequestTimedOut,
+)
 from gateway.dispatch.features import RoutingHints, estimate_prompt_tokens
 from gateway.dispatch.policy_set import UnknownPolicy
-from gateway.domain import EngineRequestError, EngineStreamError
+from gateway.domain import EngineRequest, EngineRequestError, EngineStreamError
 from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.policies.goodput_rr import combo_type
 from switchyard.clock import Clock
@@ -91,6 +98,7 @@ class ApiHandlers:
     # The autoscaler's state for GET /v1/plan (gateway.fleet.autoscale), when it runs.
     autoscale_view: Callable[[], dict[str, Any]] | None = None
     arrivals: int = 0  # requests received for a served model (the autoscaler's QPS counts them)
+    cascades: CascadeRunner | None = None  # cascades served as models (gateway.cascade), when configured
     draining: bool = False
     _inflight_ids: set[str] = field(default_factory=set)
     _inflight_tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -159,9 +167,12 @@ class ApiHandlers:
             key = self.access.authenticate(request.headers)
         except ApiError as e:
             return errors.error_response(e)
+        served = list(self.fleet.models())
+        if self.cascades is not None:
+            served += self.cascades.names()
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "switchyard"}
-            for m in self.access.visible_models(key, self.fleet.models())
+            for m in self.access.visible_models(key, served)
         ]
         return web.Response(
             body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
@@ -211,7 +222,9 @@ class ApiHandlers:
             hints = self._hints(request, arrival_s)
             hints = self.access.hints(key, hints, "x-priority" in request.headers)
             self.access.check_model(key, parsed.model)
-            self._check_model(parsed.model)
+            cascade = self._cascade(parsed)
+            if cascade is None:
+                self._check_model(parsed.model)
             self.arrivals += 1
             self._check_context(parsed)
             model_label = parsed.model
@@ -225,7 +238,8 @@ class ApiHandlers:
             )
             prompt_estimate = estimate_prompt_tokens(reqs[0])
             ticket = self.access.admit(key, prompt_estimate, headers)  # adds x-ratelimit-*
-            permit = await self._admit(parsed.model, hints, prompt_estimate, len(reqs), headers)
+            # A cascade is admitted once, on its first stage's model (every request starts there).
+            permit = await self._admit(cascade or parsed.model, hints, prompt_estimate, len(reqs), headers)
             fmt_cls = ChatFormat if chat else CompletionFormat
             fmt = fmt_cls(request_id, int(self.wall_clock.now()), parsed.model, parsed.include_usage)
             stream, n, include_usage = parsed.stream, parsed.n, parsed.include_usage
@@ -236,7 +250,7 @@ class ApiHandlers:
                 guard = self._guard(request, request_id, task, idle=True)
                 relay = StreamRelay(request, fmt, n, include_usage, headers)
                 sink = relay if ticket is None else ticket.sink(relay)
-                await self.dispatcher.run(reqs, hints, GuardedSink(guard, sink))
+                await self._run(reqs, hints, GuardedSink(guard, sink), relay, guard.end)
                 with guard.writing():
                     await relay.finish()
                 if guard.cut:
@@ -244,7 +258,8 @@ class ApiHandlers:
                 status = 200
                 return relay.response
             relay = CollectRelay(request, fmt, n)
-            await self.dispatcher.run(reqs, hints, relay if ticket is None else ticket.sink(relay))
+            await self._run(reqs, hints, relay if ticket is None else ticket.sink(relay), relay, _nothing,
+                            headers)
             status = 200
             response = web.Response(
                 body=orjson.dumps(relay.body()), content_type="application/json", headers=headers
@@ -289,6 +304,38 @@ class ApiHandlers:
             self.access.end(key, ticket, model_label, status)
             self.admission.leave(permit)
 
+    def _cascade(self, parsed: ChatCompletionRequest | CompletionRequest) -> str | None:
+        """The first stage's model when `parsed` asks for a cascade (checked: one choice, a text prompt), else
+        None."""
+        runner = self.cascades
+        if runner is None or parsed.model not in runner.specs:
+            return None
+        if parsed.n > 1:
+            raise errors.bad_request(
+                f"model {parsed.model!r} is a cascade: it answers one choice (n must be 1)", "n")
+        if isinstance(parsed, CompletionRequest) and not isinstance(parsed.prompt, str):
+            raise errors.bad_request(f"model {parsed.model!r} is a cascade: its judge reads text, so the "
+                                     "prompt must be text, not token ids", "prompt")
+        return runner.specs[parsed.model].stages[0].model
+
+    async def _run(self, reqs: list[EngineRequest], hints: RoutingHints, sink: EventSink,
+                   relay: StreamRelay | CollectRelay, touch: Callable[[], None],
+                   headers: dict[str, str] | None = None) -> None:
+        """The dispatcher's run, or a cascade's (its stages, judge and usage) when the model is one."""
+        runner = self.cascades
+        if runner is None or reqs[0].model not in runner.specs:
+            await self.dispatcher.run(reqs, hints, sink)
+            return
+
+        def set_headers(values: Mapping[str, str]) -> None:
+            if isinstance(relay, StreamRelay):
+                relay.response.headers.update(values)
+            elif headers is not None:
+                headers.update(values)
+
+        life = await runner.run(reqs[0].model, reqs[0], hints, sink, set_headers=set_headers, touch=touch)
+        relay.usage_of = life.usage_of
+
     async def _admit(
         self, model: str, hints: RoutingHints, prompt_tokens: int, slots: int, headers: dict[str, str]
     ) -> Permit | None:
@@ -306,7 +353,7 @@ class ApiHandlers:
     def _to_api_error(self, e: Exception, model: str, request_id: str) -> ApiError:
         if isinstance(e, ApiError):
             return e
-        if isinstance(e, NoEngineAvailable):
+        if isinstance(e, NoEngineAvailable | CascadeUnavailable):
             log.warning("request %s: %s", request_id, e)
             return errors.no_engine(model)
         if isinstance(e, RequestTimedOut):

@@ -13,7 +13,7 @@ Must not: route, retry, or read engine transports.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -51,7 +51,7 @@ class StreamRelay:
     still be answered with a proper HTTP status."""
 
     # Slotted, as the writer and the formats: one of each lives as long as its stream, idle or not.
-    __slots__ = ("_sse", "_fmt", "_content", "_first_token", "_include_usage", "tally")
+    __slots__ = ("_sse", "_fmt", "_content", "_first_token", "_include_usage", "tally", "usage_of")
 
     def __init__(
         self,
@@ -67,6 +67,8 @@ class StreamRelay:
         self._first_token = [False] * n  # the choice's first content chunk was sent
         self._include_usage = include_usage
         self.tally = UsageTally(n)
+        # What `usage` reports when not the tally of this stream's events (a cascade: its stages summed).
+        self.usage_of: Callable[[], dict[str, Any]] | None = None
 
     @property
     def started(self) -> bool:
@@ -103,7 +105,8 @@ class StreamRelay:
     async def finish(self) -> None:
         try:
             if self._include_usage:
-                await self._sse.send(self._fmt.usage_chunk(self.tally.usage()))
+                usage = self.tally.usage() if self.usage_of is None else self.usage_of()
+                await self._sse.send(self._fmt.usage_chunk(usage))
             await self._sse.done()
         except ConnectionResetError as e:
             raise ClientDisconnected(str(e)) from e
@@ -123,7 +126,7 @@ class StreamRelay:
 class CollectRelay:
     """`stream: false`: accumulate every choice, answer one JSON body at the end."""
 
-    __slots__ = ("_request", "_fmt", "_texts", "_finish_reasons", "tally")
+    __slots__ = ("_request", "_fmt", "_texts", "_finish_reasons", "tally", "usage_of")
 
     def __init__(self, request: web.BaseRequest, fmt: ResponseFormat, n: int) -> None:
         self._request = request
@@ -131,6 +134,7 @@ class CollectRelay:
         self._texts: list[list[str]] = [[] for _ in range(n)]
         self._finish_reasons = ["stop"] * n
         self.tally = UsageTally(n)
+        self.usage_of: Callable[[], dict[str, Any]] | None = None  # as StreamRelay's
 
     async def on_event(self, index: int, event: EngineEvent) -> None:
         transport = self._request.transport
@@ -144,4 +148,5 @@ class CollectRelay:
                 self._finish_reasons[index] = event.finish_reason
 
     def body(self) -> dict[str, Any]:
-        return self._fmt.body(["".join(t) for t in self._texts], self._finish_reasons, self.tally.usage())
+        usage = self.tally.usage() if self.usage_of is None else self.usage_of()
+        return self._fmt.body(["".join(t) for t in self._texts], self._finish_reasons, usage)

@@ -279,7 +279,8 @@ class Dispatcher:
                     if finished:
                         return
                     event = await _stream_event(stream, watched)
-            except EngineStreamError:  # the engine failed it: a stall, a broken stream, an error finish
+            except EngineStreamError as e:  # the engine failed it: a stall, a broken stream, an error finish
+                e.engine_id = engine_id  # which engine (a cascade runs a buffered stage again elsewhere)
                 stalled = watched is not None and watched.stalled
                 if life.current is not None:
                     self._apply(life.failure("stall" if stalled else "server_errors", clock.now()))

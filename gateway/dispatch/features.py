@@ -31,6 +31,8 @@ class RoutingHints:
     slo_tpot_s: float | None = None
     priority: int = 0
     policy_name: str | None = None  # None = the configured policy
+    # Engines this choice must not go to (a cascade stage run again after it failed mid-stream there).
+    avoid: frozenset[EngineId] = frozenset()
 
 
 def _text_tokens(text: str) -> int:

@@ -330,6 +330,8 @@ class ChoiceLife:
         if not self.tried and self.budget is not None:
             self.budget.on_start(moment.now_s)
         excluded = frozenset(self.tried)
+        if self.hints.avoid:
+            excluded |= self.hints.avoid
         snapshot = moment.snapshot
         decode = decode_only(snapshot, self.request.model)
         if decode and getattr(policy, "in_place", False):  # idle decode engines may serve whole requests

@@ -390,6 +390,34 @@ class GatewayMetrics:
             "What the autoscaler's fleet costs per hour (its combos at their prices, draining ones included)",
             registry=r,
         )
+        # Cascades (gateway.cascade): which stage answered, why requests escalated, what the judge cost.
+        self.cascade_answers = Counter(
+            "switchyard_cascade_answers_total",
+            "Cascade responses by cascade, answering stage (0-based), its model and whether it was degraded "
+            "(the next stage could not run, the held answer went out)",
+            ["cascade", "stage", "model", "degraded"],
+            registry=r,
+        )
+        self.cascade_escalations = Counter(
+            "switchyard_cascade_escalations_total",
+            "Escalations by cascade, the stage escalated from and the reason "
+            "(below_threshold, judge_<outcome>)",
+            ["cascade", "stage", "reason"],
+            registry=r,
+        )
+        self.cascade_judge_seconds = LoopHistogram(
+            "switchyard_cascade_judge_seconds",
+            "Judge latency per verdict, by cascade and outcome (ok, timeout, http_5xx, malformed, ...)",
+            (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0),
+            registry=r,
+            labelnames=("cascade", "outcome"),
+        )
+        self.cascade_judge_tokens = Counter(
+            "switchyard_cascade_judge_tokens_total",
+            "Tokens the judge used (kind: prompt or completion), by cascade; never billed to the client",
+            ["cascade", "kind"],
+            registry=r,
+        )
         self.workers = Gauge(
             "switchyard_gateway_workers", "Worker processes serving this gateway's port", registry=r
         )

@@ -32,6 +32,7 @@ from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome
 from loadgen.simulate.balance import balance_figures, exec_time_variance_ms2
+from loadgen.simulate.cascade import CascadeRun
 from loadgen.simulate.deciders import Decider, DeciderAssigner, build_deciders
 from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet
 from loadgen.simulate.migrations import Migrations, MoveStats
@@ -117,6 +118,9 @@ class _Run:
                       if scaling is not None else None)
         for node in nodes:
             node.billed_from_s = self.t0
+        self.cascade = (CascadeRun(options.cascade, seed=options.seed, dispatch=self._dispatch,
+                                   finalize=self._finalize, t0=self.t0)
+                        if options.cascade is not None else None)
 
     # ---- setup and the loop ----------------------------------------------------------------------------
 
@@ -167,14 +171,22 @@ class _Run:
         ticks = 1
         next_tick_s = self.t0 + tick_s if self.options.reschedule != "none" else inf
         fleet = self.fleet
+        cascade = self.cascade
         while i < n or any(node.busy for node in nodes) or (
                 migrations is not None and migrations.next_follow_s < inf) or (
-                fleet is not None and fleet.next_s <= fleet.horizon_s):
+                fleet is not None and fleet.next_s <= fleet.horizon_s) or (
+                cascade is not None and cascade.next_s < inf):
             arrival_s = schedule[i][0] if i < n else inf
             follow_s = migrations.next_follow_s if migrations is not None else inf
             fleet_s = fleet.next_s if fleet is not None else inf
-            now_s = min(arrival_s, follow_s, next_tick_s, fleet_s)
+            verdict_s = cascade.next_s if cascade is not None else inf
+            now_s = min(arrival_s, follow_s, next_tick_s, fleet_s, verdict_s)
             if now_s <= next_sample_s:
+                if verdict_s == now_s and arrival_s > now_s:
+                    assert cascade is not None
+                    self._sync(now_s)  # the verdict escalates (a new dispatch) or releases a held answer
+                    cascade.run_due(now_s)
+                    continue
                 if arrival_s == now_s:
                     if fleet is not None:
                         fleet.run_due(now_s)
@@ -250,6 +262,13 @@ class _Run:
 
     def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
         self._sync(now_s)
+        if self.cascade is not None:
+            self.cascade.arrive(index, now_s, request)
+            return
+        self._dispatch(index, now_s, request, self.model)
+
+    def _dispatch(self, index: int, now_s: float, request: Request, model: str) -> None:
+        """Route `request` (for `model`) through its `ChoiceLife` and admit it on the chosen engine."""
         session_id = request.session_id or ""
         decider = self.deciders[self.assign(session_id)]
         state = decider.state
@@ -258,7 +277,7 @@ class _Run:
         forced_tokens = request.output_tokens or 0
         forced = forced_tokens > 0
         max_tokens = forced_tokens if forced else self.options.max_output_tokens_default
-        engine_request = engine_request_of(request, self.model, max_tokens, forced, self.prompt_ids)
+        engine_request = engine_request_of(request, model, max_tokens, forced, self.prompt_ids)
         options = self.options
         hints = RoutingHints(arrival_s=now_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
                              slo_tpot_s=options.slo_tpot_s)
@@ -415,6 +434,10 @@ class _Run:
             decider.state.note_latency(outcome.engine_id, outcome.ttft_s, outcome.e2e_s, outcome.now_s)
         self.last_event_s = max(self.last_event_s, now_s)
         usage = event.usage
+        if self.cascade is not None and self.cascade.owns(rid):
+            self.cascade.on_stage_finished(rid, times, usage.prompt_tokens, usage.completion_tokens,
+                                           node.engine_id, now_s)
+            return
         self.outcomes[index] = Outcome(
             request_id=rid, success=True, prompt_tokens=usage.prompt_tokens,
             output_tokens=usage.completion_tokens, arrival_s=arrival_s - self.t0, start_s=arrival_s - self.t0,
@@ -443,9 +466,17 @@ class _Run:
 
     def _fail(self, index: int, now_s: float, request: Request, error: str, engine_id: str | None) -> None:
         self.last_event_s = max(self.last_event_s, now_s)
+        if self.cascade is not None and self.cascade.owns(request.request_id):
+            self.cascade.on_stage_failed(request.request_id, error, now_s)
+            return
         self.outcomes[index] = Outcome(
             request_id=request.request_id, success=False, prompt_tokens=request.prompt_tokens,
             arrival_s=now_s - self.t0, start_s=now_s - self.t0, error=error, engine_id=engine_id)
+
+    def _finalize(self, index: int, outcome: Outcome, now_s: float) -> None:
+        """A cascade request's client-facing outcome at `now_s` (its answering stage is known)."""
+        self.last_event_s = max(self.last_event_s, now_s)
+        self.outcomes[index] = outcome
 
     def _sample(self, at_s: float, period_s: float, fraction_done: float) -> None:
         running = waiting = 0
@@ -537,4 +568,5 @@ def simulate(
         fleet_actions=run.fleet.actions if run.fleet is not None else [],
         handoffs=(run.migrations.handoff_figures() if run.migrations is not None and run.prefill_nodes
                   else None),
+        cascade=run.cascade.figures() if run.cascade is not None else None,
     )

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from switchyard.profiles import get_profile
 from engine_agent.star.predictor import LengthPredictor
 from gateway.dispatch.mover import MoveParams
 from gateway.planning.autoscaler import Action, AutoscalerParams
@@ -23,7 +22,9 @@ from gateway.planning.ilp import Solver
 from gateway.planning.plan_file import Plan
 from gateway.rescheduling.star import StarParams
 from loadgen.metrics import Outcome
+from loadgen.simulate.cascade import CascadeSim
 from loadgen.simulate.deciders import DECIDER_ASSIGNMENTS, DeciderAssignment
+from switchyard.profiles import get_profile
 from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 # Policies that read the engines' LENS state vector; the simulator runs LENS's model for them by default.
@@ -162,6 +163,7 @@ class SimOptions:
     predictor_bins: int | None = None
     move_params: MoveParams = field(default_factory=MoveParams)
     balance_figures: bool = False
+    cascade: CascadeSim | None = None  # requests run a cascade's stages (loadgen.simulate.cascade)
 
     def __post_init__(self) -> None:
         positive = {"state_interval_s": self.state_interval_s, "stale_after_s": self.stale_after_s,
@@ -296,6 +298,7 @@ class SimResult:
     tokens_per_usd: float | None = None
     fleet_actions: list[dict[str, Any]] = field(default_factory=list)
     handoffs: dict[str, Any] | None = None
+    cascade: dict[str, Any] | None = None  # with SimOptions.cascade: `CascadeRun.figures`
 
     @property
     def simulated_s_per_wall_s(self) -> float:

@@ -45,8 +45,8 @@ class PureCore:
 
 
 GATEWAY_DOMAIN = ("gateway.domain",)
-# GPU datasheets and model shapes, the engine profiles built from them and the roofline over a batch: the ground
-# floor's pure engine model, shared by the simulated GPU and the gateway's planners.
+# GPU datasheets and model shapes, the engine profiles built from them and the roofline over a batch: the
+# ground floor's pure engine model, shared by the simulated GPU and the gateway's planners.
 CATALOGUE = ("switchyard.hardware", "switchyard.profiles", "switchyard.perf_model")
 ROLES = ("switchyard.roles",)  # the engine roles agents and gateway agree on: constants
 AGENT_DOMAIN = ("engine_agent.domain",)
@@ -65,10 +65,16 @@ PURE_CORES = (
     # Planners and reschedulers (CAUCHY, Cascadia, STAR, CascadeInfer) read snapshots and the engine model.
     PureCore("gateway/estimators", (*GATEWAY_DOMAIN, "gateway.estimators")),
     PureCore("gateway/planning", (*GATEWAY_DOMAIN, "gateway.planning", "gateway.estimators", *CATALOGUE)),
+    PureCore("gateway/cascade/plan", (*GATEWAY_DOMAIN, "gateway.cascade.plan", "gateway.cascade.quality",
+                                      "gateway.planning", *CATALOGUE)),
     PureCore("gateway/rescheduling", (*GATEWAY_DOMAIN, "gateway.rescheduling", "gateway.planning",
                                       "gateway.estimators", "gateway.policies", "switchyard.star_load")),
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
     PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE)),
+    # Cascades (Cascadia): the quality profiles, the judge's prompts and parser, and one request's decisions.
+    PureCore("gateway/cascade/quality.py", ()),
+    PureCore("gateway/cascade/judge_prompt.py", ("gateway.cascade.quality",)),
+    PureCore("gateway/cascade/core.py", ()),
     PureCore("switchyard/hardware.py", ()),
     PureCore("switchyard/profiles.py", ("switchyard.hardware",)),
     PureCore("switchyard/perf_model.py", ("switchyard.hardware", "switchyard.profiles")),
