@@ -11,12 +11,11 @@ Must not: judge, or decide anything of a cascade (`gateway.cascade` does).
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any
 
-from aiohttp import web
-
 from gateway.cascade.core import CascadeSpecError, parse_cascade
-from gateway.cascade.judge_stub import build_stub_app
+from gateway.cascade.judge_stub import serve_stub
 from gateway.config import CascadeConfig
 
 
@@ -104,30 +103,31 @@ def cascade_configs(args: argparse.Namespace, judge_url: str) -> list[CascadeCon
 
 
 class JudgeStub:
-    """The judge stub in this process, on a free port of `host` (or none, when not asked for)."""
+    """The judge stub (`gateway.cascade.judge_stub.serve_stub`) as a task of this process, on a free port of
+    `host` (or none, when not asked for)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self._args = args
-        self._runner: web.AppRunner | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
         self.url: str | None = args.judge_url
 
     async def start(self) -> None:
         args = self._args
         if not args.judge_stub:
             return
-        app = build_stub_app(
-            delay_ms=args.judge_delay_ms,
-            fail_rate=args.judge_fail_rate,
-            malformed_rate=args.judge_malformed_rate,
-        )
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, args.host, 0)
-        await site.start()
-        port = next(int(a[1]) for a in self._runner.addresses if isinstance(a, tuple))
-        self.url = f"http://{args.host}:{port}/v1"
+        listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(serve_stub(
+            args.host, 0, delay_ms=args.judge_delay_ms, fail_rate=args.judge_fail_rate,
+            malformed_rate=args.judge_malformed_rate, stop=self._stop, on_listening=listening.set_result,
+            handle_signals=False), name="judge-stub")
+        done, _ = await asyncio.wait({listening, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if listening not in done:  # it failed before listening: raise its error
+            self._task.result()
+        self.url = f"{listening.result()}/v1"
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._task is not None:
+            self._stop.set()
+            await self._task
+            self._task = None

@@ -72,13 +72,18 @@ def cascade_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def cascade_sim(args: argparse.Namespace) -> CascadeSim | None:
+    """The run's `CascadeSim`, built (its profile read) once per parsed command line."""
     if not getattr(args, "cascade", None):
         return None
+    built = getattr(args, "cascade_sim", None)
+    if isinstance(built, CascadeSim):
+        return built
     try:
         spec = parse_cascade(args.cascade)
         profile = load_profile(Path(args.quality_profile) if args.quality_profile else None)
         judge = SimJudge.parse(args.judge, bias=args.judge_bias, noise=args.judge_noise)
-        return CascadeSim(spec, profile, judge, streaming=args.cascade_streaming)
+        args.cascade_sim = CascadeSim(spec, profile, judge, streaming=args.cascade_streaming)
+        return args.cascade_sim
     except (CascadeSpecError, QualityProfileError) as exc:
         raise ValueError(f"--cascade: {exc}") from None
 

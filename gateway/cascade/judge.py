@@ -35,12 +35,11 @@ from gateway.cascade.judge_prompt import (
     JudgePrompt,
     Output,
     build_prompt,
-    estimate_tokens,
     parse_rating,
     profile_rating,
     rating_reply,
 )
-from gateway.cascade.quality import QualityProfile, QualityProfileError, load_profile
+from gateway.cascade.quality import QualityProfile, QualityProfileError, estimate_tokens, load_profile
 from gateway.config import JudgeConfig
 from gateway.engines.openai_upstream import upstream_session
 from switchyard.clock import Clock

@@ -4,7 +4,7 @@ Owns: the shipped templates (`gateway/cascade/assets/judge_prompts.jsonl`: FastC
 `single-v1-multi-turn`, lm-sys/FastChat, Apache-2.0; see `assets/README.md`), `build_prompt` (the system and
 user messages FastChat's `run_judge_single` sends), `parse_rating` (its rating parser), `extract_question`
 (the inverse the judge stub uses: the judged question back out of a prompt this module built), the
-profile-judge rating rule and the token estimate.
+profile-judge rating rule (token estimates are `quality.estimate_tokens`).
 Must not: send anything, time anything, or import I/O (pure: text in, text out; the clients are `judge.py`).
 
 Prompts, as FastChat fills them:
@@ -42,6 +42,8 @@ from functools import cache
 from importlib import resources
 from typing import Literal
 
+from gateway.cascade.quality import SCORE_SCALE, estimate_tokens
+
 ASSET = "judge_prompts.jsonl"
 SINGLE = "single-v1"
 MULTI_TURN = "single-v1-multi-turn"
@@ -59,8 +61,6 @@ RATING_INSTRUCTION = (
 )
 RATING_MIN = 1.0
 RATING_MAX = 10.0
-SCORE_SCALE = 10.0  # a 1-10 rating to Cascadia's 0-100
-BYTES_PER_TOKEN = 4
 
 _ONE_SCORE = re.compile(r"\[\[(\d+\.?\d*)\]\]")
 _ONE_SCORE_BACKUP = re.compile(r"\[(\d+\.?\d*)\]")
@@ -119,11 +119,6 @@ def parse_rating(judgment: str) -> ParsedRating:
     if not RATING_MIN <= rating <= RATING_MAX:
         return ParsedRating("out_of_range", rating, f"rating {match.group(1)} outside [1, 10]")
     return ParsedRating("ok", rating)
-
-
-def estimate_tokens(text: str) -> int:
-    """ceil(UTF-8 bytes / 4): the gateway's token estimate where no tokenizer is at hand."""
-    return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
 
 
 def format_rating(rating: float) -> str:

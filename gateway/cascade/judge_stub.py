@@ -37,8 +37,8 @@ import orjson
 from aiohttp import web
 
 from gateway.cascade.judge import JUDGED_MODEL_HEADER, rating_from_profile
-from gateway.cascade.judge_prompt import EXPLAIN_INSTRUCTION, estimate_tokens, extract_question, rating_reply
-from gateway.cascade.quality import QualityProfile, QualityProfileError, load_profile
+from gateway.cascade.judge_prompt import EXPLAIN_INSTRUCTION, extract_question, rating_reply
+from gateway.cascade.quality import QualityProfile, QualityProfileError, estimate_tokens, load_profile
 
 log = logging.getLogger(__name__)
 

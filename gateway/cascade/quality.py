@@ -116,8 +116,11 @@ class QualityProfile:
         self._scores: dict[str, tuple[ItemScore, ...]] = {m: tuple(r) for m, r in scores.items()}
         self.sources: dict[str, str] = dict(sources or {})
         self._by_text: dict[str, int] = {}
+        self._first_turn: dict[int, int] = {}  # question id -> the index of its turn-1 item
         for index, item in enumerate(self.items):
             self._by_text.setdefault(_normalise(item.questions[-1]), index)
+            if item.turn == 1:
+                self._first_turn.setdefault(item.question_id, index)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -130,6 +133,10 @@ class QualityProfile:
             raise QualityProfileError(
                 f"no quality profile for model {model!r}; profiled: {', '.join(self.models)}"
             ) from None
+
+    def first_turn(self, question_id: int) -> int | None:
+        """The index of the question's turn-1 item, or None when the profile lacks it."""
+        return self._first_turn.get(question_id)
 
     def mean_score(self, model: str) -> float:
         """The model's marginal: its mean score over the profile's items (the quality of 'this model
@@ -197,7 +204,8 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def _tokens(text: str) -> int:
+def estimate_tokens(text: str) -> int:
+    """ceil(UTF-8 bytes / 4): the gateway's token estimate where no tokenizer is at hand."""
     return math.ceil(len(text.encode("utf-8")) / BYTES_PER_TOKEN)
 
 
@@ -326,7 +334,7 @@ def derive_mt_bench_profile(data_dir: Path) -> QualityProfile:
                 if (qid, turn, source) not in found:
                     raise QualityProfileError(f"judgements lack question {qid} turn {turn} for {source}")
                 score, answer = found[(qid, turn, source)]
-                pair.append(ItemScore(score * SCORE_SCALE, _tokens(answer)))
+                pair.append(ItemScore(score * SCORE_SCALE, estimate_tokens(answer)))
             items.append(item)
             scores["llama3-8b"].append(pair[0])
             scores["llama3-70b"].append(pair[1])
@@ -348,16 +356,8 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 def prompt_tokens(item: Item, profile: QualityProfile, model: str) -> int:
     """The prompt a stage sees for this item: the user turns, and on turn 2 the model's own turn-1 answer."""
-    tokens = sum(_tokens(q) for q in item.questions)
-    if item.turn > 1:
-        first = next(
-            (
-                i
-                for i, other in enumerate(profile.items)
-                if other.question_id == item.question_id and other.turn == 1
-            ),
-            None,
-        )
-        if first is not None:
-            tokens += profile.scores(model)[first].answer_tokens
+    tokens = sum(estimate_tokens(q) for q in item.questions)
+    first = profile.first_turn(item.question_id) if item.turn > 1 else None
+    if first is not None:
+        tokens += profile.scores(model)[first].answer_tokens
     return tokens

@@ -40,7 +40,8 @@ from gateway.cascade.core import (
     JudgeBreaker,
     RunStage,
 )
-from gateway.cascade.quality import SUBSETS, QualityProfile, prompt_tokens
+from gateway.cascade.judge_prompt import profile_rating
+from gateway.cascade.quality import SCORE_SCALE, SUBSETS, QualityProfile, prompt_tokens
 from loadgen.datasets.request import Message, Request
 from loadgen.metrics import Outcome
 
@@ -72,9 +73,10 @@ class SimJudge:
             raise ValueError(f"judge {text!r}: {value!r} is not a number of seconds") from None
 
     def verdict(self, true_score: float, rng: np.random.Generator) -> float:
-        """The rating the judge gives (a legal FastChat rating x 10: 10..100 in steps of 10)."""
+        """The score (0-100) of the rating the judge gives, by the live profile judge's rule
+        (`judge_prompt.profile_rating`): an unperturbed score is the profile's own, as live."""
         score = true_score + self.bias + (float(rng.normal(0.0, self.noise)) if self.noise > 0 else 0.0)
-        return float(min(100.0, max(10.0, 10.0 * round(score / 10.0))))
+        return SCORE_SCALE * profile_rating(score)
 
 
 @dataclass(frozen=True)
@@ -104,14 +106,14 @@ def cascade_requests(
         if subset == "mt-bench" or item.hard == (subset == "mt-bench-hard")
     ]
     rng = np.random.default_rng([seed, 15])
-    first = {item.question_id: i for i, item in enumerate(profile.items) if item.turn == 1}
     out: list[Request] = []
     for n, pick in enumerate(rng.integers(0, len(pool), size=num_requests)):
         index = pool[int(pick)]
         item = profile.items[index]
         messages: list[Message] = [("user", item.questions[0])]
         if item.turn == 2:
-            filler_tokens = profile.scores(first_model)[first[item.question_id]].answer_tokens
+            first = profile.first_turn(item.question_id)
+            filler_tokens = profile.scores(first_model)[first].answer_tokens if first is not None else 0
             messages += [("assistant", (FILLER_WORD * filler_tokens).strip()), ("user", item.questions[1])]
         out.append(
             Request(

@@ -25,8 +25,8 @@ from gateway.cascade.judge import (
     Verdict,
     build_judge,
 )
-from gateway.cascade.judge_prompt import build_prompt, estimate_tokens
-from gateway.cascade.quality import mt_bench_profile, to_json
+from gateway.cascade.judge_prompt import build_prompt
+from gateway.cascade.quality import estimate_tokens, mt_bench_profile, to_json
 from gateway.config import JudgeConfig
 from switchyard.clock import ManualClock
 

@@ -13,9 +13,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.cascade.judge import JUDGED_MODEL_HEADER, JudgeRequest, OpenAIJudge
-from gateway.cascade.judge_prompt import build_prompt, estimate_tokens, profile_rating, rating_reply
+from gateway.cascade.judge_prompt import build_prompt, profile_rating, rating_reply
 from gateway.cascade.judge_stub import MALFORMED_REPLY, STUB_COUNTS, build_stub_app, main, serve_stub
-from gateway.cascade.quality import QualityProfile, mt_bench_profile
+from gateway.cascade.quality import QualityProfile, estimate_tokens, mt_bench_profile
 from switchyard.clock import ManualClock
 
 WEAK, STRONG = "llama3-8b", "llama3-70b"
