@@ -130,3 +130,16 @@ def test_malformed_problems_are_rejected() -> None:
         AllocationProblem(tables=((INF,),), gpus=0)
     with pytest.raises(ValueError, match=">= 0"):
         AllocationProblem(tables=((INF, -1.0),), gpus=1)
+
+
+def test_ties_on_l_take_the_smallest_latency_sum_not_idle_gpus() -> None:
+    """The repro's hard case: the 70B's p95 is the same on 24..31 GPUs (one tp8 x pp3 replica), the 8B's
+    falls from 4 to 8 GPUs; both give L = 7.469, only (8, 24) uses its GPUs."""
+    inf = math.inf
+    small = tuple(inf if f < 1 else 5.0 if f < 4 else 3.288 if f < 8 else 2.076 for f in range(33))
+    large = tuple(inf if f < 24 else 7.469 for f in range(33))
+    problem = AllocationProblem((small, large), 32)
+    for solver in (PulpCbcAllocationSolver(), ExhaustiveAllocationSolver()):
+        allocation = solver.solve(problem)
+        assert allocation.gpus == (8, 24), type(solver).__name__
+        assert allocation.latency_s == pytest.approx(7.469)
