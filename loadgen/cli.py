@@ -453,8 +453,32 @@ def _check_model(args: argparse.Namespace, engines: Sequence[EngineSpec]) -> Non
         raise UsageError(f"--model {args.model!r} is not the simulated engines' model {served!r}")
 
 
+def _cascade_plan(args: argparse.Namespace) -> None:
+    """With --cascade, --plan is a `loadgen cascade-plan` file: its thresholds replace the spec's (same
+    models, in order) and its replicas are the fleet (`args.cascade_fleet`)."""
+    if not getattr(args, "cascade", None) or getattr(args, "plan", None) is None:
+        return
+    if args.autoscale:
+        raise UsageError("--autoscale scales CAUCHY combo plans; a cascade plan (--cascade --plan) is fixed")
+    from gateway.cascade.core import CascadeSpecError, parse_cascade  # noqa: PLC0415
+
+    try:
+        plan = cascade_plan.read_plan_fleet(Path(args.plan))
+        spec = parse_cascade(args.cascade)
+        if spec.models != plan.models:
+            raise ValueError(f"it plans {','.join(plan.models)}, --cascade serves {','.join(spec.models)}")
+        args.cascade = spec.with_thresholds(plan.thresholds).text
+    except (ValueError, CascadeSpecError) as exc:
+        raise UsageError(f"--plan {args.plan}: {_one_line(exc)}") from None
+    args.cascade_fleet = list(plan.engines)
+    args.cascade_plan = plan
+    args.engines = ",".join(f"{e.profile}:{e.count}" for e in plan.engines)
+
+
 def _scaling(args: argparse.Namespace) -> Scaling | None:
-    """The CAUCHY fleet of --plan [--autoscale], or None."""
+    """The CAUCHY fleet of --plan [--autoscale], or None (also for a cascade plan: `_cascade_plan`)."""
+    if getattr(args, "cascade_fleet", None) is not None:
+        return None
     if args.plan is None:
         if args.autoscale:
             raise UsageError("--autoscale needs --plan PATH (a `switchyard plan --json` file)")
@@ -502,8 +526,8 @@ def _print_bill(result: SimResult) -> None:
         print(f"{'Prefill-to-decode hand-offs:':<36}{result.handoffs['handoffs']} "
               f"({result.handoffs['kv_bytes'] / 1e9:.2f} GB of KV; stall p50 {p50} ms, p99 {p99} ms)")
     for action in result.fleet_actions:
-        combos = action.get("combos", "")
-        print(f"  {action['at_s']:8.1f} s  {action['kind']:<8} {combos}  {action['reason']}")
+        what = action.get("combos") or action.get("engine") or action.get("thresholds") or ""
+        print(f"  {action['at_s']:8.1f} s  {action['kind']:<8} {what}  {action.get('reason', '')}")
 
 
 def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:
@@ -651,6 +675,7 @@ def main(argv: Sequence[str] | None = None, *, loop_factory: LoopFactory | None 
             parse_slo(args.slo)
         tokenizer_dir = getattr(args, "tokenizer", None)
         tokenizer = Tokenizer.load(tokenizer_dir) if tokenizer_dir else Tokenizer.load_sim()
+        _cascade_plan(args)
         requests = load_requests(args, tokenizer, synthesize=args.command == "run")
         if args.command == "run":
             with asyncio.Runner(loop_factory=loop_factory) as runner:

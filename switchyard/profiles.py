@@ -22,6 +22,7 @@ replica's KV capacity (in tokens, hence blocks of all layers) is the smallest ov
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from switchyard.hardware import BYTES_PER_GB, GPUS, MODELS, GpuSpec, ModelShape
@@ -234,9 +235,42 @@ def known_profiles() -> list[str]:
     return sorted(_PROFILES)
 
 
+_SHAPE = re.compile(r"x(?P<tp>\d+)(?:p(?P<pp>\d+))?")
+_SHAPES: dict[str, Profile] = {}
+
+
+def shape_profile(name: str) -> Profile | None:
+    """The profile a `profile_name` spells, of any shape `build_profile` accepts with room for one full
+    context (`{gpu}x{tp}p{pp}-{model}`, `{gpu}x{tp}-{model}`, `{gpu}-{model}`), or None. A planner (Cascadia's
+    parallelism search) picks shapes beyond the registry's two per (GPU, model); its plans name them so."""
+    if name in _SHAPES:
+        return _SHAPES[name]
+    head, sep, model_name = name.partition("-")
+    model = MODELS.get(model_name)
+    if not sep or model is None:
+        return None
+    for gpu_name, gpu in GPUS.items():
+        rest = head[len(gpu_name):] if head.startswith(gpu_name) else None
+        if rest is None:
+            continue
+        tp, pp = 1, 1
+        if rest:
+            shape = _SHAPE.fullmatch(rest)
+            if shape is None:
+                continue
+            tp, pp = int(shape["tp"]), int(shape["pp"] or 1)
+        profile = build_profile(gpu, model, tp, pp, min_full_contexts=1)
+        if profile is not None and profile.name == name:
+            _SHAPES[name] = profile
+            return profile
+    return None
+
+
 def get_profile(name: str) -> Profile:
-    try:
-        return _PROFILES[name]
-    except KeyError:
+    """A registry profile, else any valid shape (`shape_profile`)."""
+    profile = _PROFILES.get(name) or shape_profile(name)
+    if profile is None:
         raise UnknownProfileError(
-            f"unknown sim profile {name!r}; known profiles: {', '.join(known_profiles())}") from None
+            f"unknown sim profile {name!r}; known profiles: {', '.join(known_profiles())} "
+            f"(or any shape GPU[xTP[pPP]]-MODEL that fits, e.g. h100x4p2-llama3-70b)")
+    return profile

@@ -77,6 +77,12 @@ class CascadeSpec:
     def thresholds(self) -> tuple[float, ...]:
         return tuple(float(s.threshold) for s in self.stages[:-1] if s.threshold is not None)
 
+    @property
+    def text(self) -> str:
+        """The CLI's form, `parse_cascade`'s inverse: `name=model:threshold,...,model`."""
+        stages = [f"{s.model}:{s.threshold:g}" for s in self.stages[:-1]]
+        return f"{self.name}={','.join([*stages, self.stages[-1].model])}"
+
     def with_thresholds(self, thresholds: Sequence[float]) -> CascadeSpec:
         """The same cascade with new thresholds (a re-plan swaps them in at once)."""
         if len(thresholds) != len(self.stages) - 1:

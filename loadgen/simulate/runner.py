@@ -33,6 +33,7 @@ from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome
 from loadgen.simulate.balance import balance_figures, exec_time_variance_ms2
 from loadgen.simulate.cascade import CascadeRun
+from loadgen.simulate.cascade_replan import CascadeReplanner
 from loadgen.simulate.deciders import Decider, DeciderAssigner, build_deciders
 from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet
 from loadgen.simulate.migrations import Migrations, MoveStats
@@ -112,15 +113,20 @@ class _Run:
                        wall_clock=wall_clock or MonotonicClock())
             if options.reschedule != "none" or handoffs else None)
         last_arrival_s = self.schedule[-1][0] if self.schedule else self.t0
-        self.fleet = (FleetChanges(scaling, options, nodes, self.t0, last_arrival_s, join=self._join,
-                                   leave=self._leave,
-                                   counts=profile_counts if profile_counts is not None else {})
-                      if scaling is not None else None)
         for node in nodes:
             node.billed_from_s = self.t0
         self.cascade = (CascadeRun(options.cascade, seed=options.seed, dispatch=self._dispatch,
                                    finalize=self._finalize, t0=self.t0)
                         if options.cascade is not None else None)
+        counts = profile_counts if profile_counts is not None else {}
+        self.fleet: FleetChanges | CascadeReplanner | None = None
+        if scaling is not None:
+            self.fleet = FleetChanges(scaling, options, nodes, self.t0, last_arrival_s, join=self._join,
+                                      leave=self._leave, counts=counts)
+        elif self.cascade is not None and self.cascade.sim.replan is not None:
+            self.fleet = CascadeReplanner(self.cascade.sim.replan, self.cascade, options, nodes, self.t0,
+                                          last_arrival_s, join=self._join, leave=self._leave, counts=counts,
+                                          timer=(wall_clock or MonotonicClock()).now)
 
     # ---- setup and the loop ----------------------------------------------------------------------------
 
@@ -151,6 +157,8 @@ class _Run:
         node.left_s = now_s
         for state in self.states:
             state.remove_engine(node.engine_id)
+        if self.fleet is not None:
+            self.fleet.on_left(node, now_s)
 
     def run(self) -> None:
         """Sync points in time order: arrivals, follows of migrated requests, reschedule ticks and timeline
@@ -239,7 +247,9 @@ class _Run:
         hands requests off is a sync point of its own (the follow picks a decode engine and that engine
         admits the request at the hand-off's time), so with prefill engines the fleet advances from one
         prefill completion (or pending follow) to the next, following the hand-offs due at each, before the
-        rest of the way."""
+        rest of the way. With a cascade the fleet advances from one iteration completion (or cascade event:
+        a pool judge request to send, a verdict) to the next, running the cascade's events due at each, so
+        the dispatch one makes finds every engine at that moment."""
         nodes, advance = self.nodes, self._advance
         prefill = self.prefill_nodes
         if prefill:
@@ -256,6 +266,15 @@ class _Run:
                     self._receive(at_s)
                     while migrations.next_follow_s <= at_s:
                         migrations.follow(at_s)
+        cascade = self.cascade
+        if cascade is not None:
+            while (at_s := min(cascade.next_s, min(node.done_s for node in nodes))) <= until_s:
+                for node in nodes:
+                    if node.done_s <= at_s:
+                        advance(node, at_s)
+                if cascade.next_s <= at_s:
+                    self._receive(at_s)
+                    cascade.run_due(at_s)
         for node in nodes:
             if node.done_s <= until_s:
                 advance(node, until_s)
@@ -531,6 +550,8 @@ def simulate(
             raise ValueError("give engines or a plan (scaling), not both")
         if options.reschedule != "none":
             raise ValueError("a changing fleet (scaling) and STAR rescheduling cannot be simulated together")
+        if options.cascade is not None and options.cascade.replan is not None:
+            raise ValueError("a CAUCHY plan (scaling) and a re-planning cascade cannot be simulated together")
         engines = plan_engines(scaling)
     nodes = build_fleet(engines, options, counts)
     run = _Run(schedule, nodes, options, progress, on_decision, wall_clock=clock, scaling=scaling,
@@ -568,5 +589,7 @@ def simulate(
         fleet_actions=run.fleet.actions if run.fleet is not None else [],
         handoffs=(run.migrations.handoff_figures() if run.migrations is not None and run.prefill_nodes
                   else None),
-        cascade=run.cascade.figures() if run.cascade is not None else None,
+        cascade=(None if run.cascade is None else
+                 {**run.cascade.figures(), "replan": run.fleet.figures()}
+                 if isinstance(run.fleet, CascadeReplanner) else run.cascade.figures()),
     )

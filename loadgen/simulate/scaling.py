@@ -142,6 +142,9 @@ class FleetChanges:
                     if node.left_s is None and not node.busy and not node.in_flight:
                         self._leave(node, at_s)
 
+    def on_left(self, node: SimNode, now_s: float) -> None:
+        """An engine left (the runner's `_leave`): nothing more to do here."""
+
     # ---- internals -----------------------------------------------------------------------------------------
 
     def _push(self, at_s: float, kind: str, payload: Any) -> None:

@@ -120,3 +120,9 @@ def test_an_empty_first_pool_fails_and_an_empty_next_pool_degrades() -> None:
 def test_spec_built_from_stages() -> None:
     with pytest.raises(CascadeSpecError):
         CascadeSpec("c", (Stage("a", None), Stage("b", None)))
+
+
+def test_spec_text_is_parse_cascades_inverse() -> None:
+    for text in ("c=llama3-8b:90,llama3-70b", "c3=a:85.5,b:0,c"):
+        assert parse_cascade(text).text == text
+    assert parse_cascade("c=a:90,b").with_thresholds([72.5]).text == "c=a:72.5,b"

@@ -73,7 +73,7 @@ def test_a_judge_biased_down_escalates_more_without_changing_the_credited_scores
 def test_judge_spec_parsing() -> None:
     assert SimJudge.parse("fixed:0.27").latency_s == 0.27
     with pytest.raises(ValueError, match="fixed:SECONDS"):
-        SimJudge.parse("pool:judge")
+        SimJudge.parse("remote:judge")  # `pool:MODEL` is a judge kind too (test_sim_cascade_judge_pool.py)
 
 
 def test_cli_writes_cascade_figures_and_refuses_bad_combinations(
