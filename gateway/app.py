@@ -192,6 +192,8 @@ def build_app(
     app.cleanup_ctx.append(_engines_ctx(upstreams))
     if handlers.cascades is not None:
         app.cleanup_ctx.append(_closing_ctx(handlers.cascades.close))  # unwound before the engines' ctx
+        if handlers.cascades.replanners:  # cancelled before the shadows are and the judges close
+            app.cleanup_ctx.append(_background_ctx(handlers.cascades.run_replans, "cascade-replan"))
     if config.autoscale.enabled and plan_document is not None:
         autoscale = _autoscale_loop(
             config, plan_document, handlers, store, grpc_client, clock, metrics, actuator

@@ -244,6 +244,45 @@ class CascadeStageConfig(_Frozen):
     threshold: float | None = Field(None, ge=0, le=100)
 
 
+class ReplanConfig(_Frozen):
+    """Re-planning a cascade live on workload shift (Cascadia §4.4, footnote 5; gateway.cascade.replanner):
+    windows of `window_s`, `sample_size` answered requests' lengths sampled, `shadow_share` of requests run
+    through every stage (unbilled) and judged; a shift (p < `alpha`) re-runs Algorithm 1 off the event loop
+    and swaps the thresholds. The stages' configured thresholds are the initial plan's, made for `rate_rps`
+    on the quality profile's `dataset` subset."""
+
+    gpus: str = Field(min_length=3)  # GPU:COUNT the plan may use, e.g. "h100:32" (as `loadgen cascade-plan`)
+    rate_rps: float = Field(gt=0, allow_inf_nan=False)  # the arrival rate the initial plan assumes
+    q_min: float | None = Field(None, ge=0, le=100)  # quality floor on the judge's 0-100 scale ...
+    l_max_s: float | None = Field(None, gt=0, allow_inf_nan=False)  # ... and/or a latency budget (App. C)
+    dataset: Literal["mt-bench", "mt-bench-hard", "mt-bench-easy"] = "mt-bench"
+    quality_profile: str | None = Field(None, min_length=1)  # a quality-profile JSON; None = the shipped one
+    window_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+    sample_size: int = Field(50, ge=2)
+    shadow_share: float = Field(0.05, ge=0, le=1)
+    alpha: float = Field(0.001, gt=0, lt=1)
+    min_shadow: int = Field(20, ge=2)
+    judge_latency_s: float = Field(0.27, ge=0, allow_inf_nan=False)  # per judged stage, in the e2e estimate
+
+    @model_validator(mode="after")
+    def _complete(self) -> ReplanConfig:
+        from switchyard.hardware import GPUS  # noqa: PLC0415
+
+        name, sep, count = self.gpus.partition(":")
+        if not sep or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"gpus {self.gpus!r}: expected GPU:COUNT like h100:32")
+        if name not in GPUS:
+            raise ValueError(f"gpus {self.gpus!r}: unknown GPU {name!r}; known: {', '.join(sorted(GPUS))}")
+        if self.q_min is None and self.l_max_s is None:
+            raise ValueError("a re-plan needs q_min (a quality floor), l_max_s (a latency budget), or both")
+        return self
+
+    @property
+    def gpu(self) -> tuple[str, int]:
+        name, _, count = self.gpus.partition(":")
+        return name, int(count)
+
+
 class CascadeConfig(_Frozen):
     """A cascade served as a model (Cascadia Fig. 4): stage 1 answers, the judge scores, below the stage's
     threshold the request escalates to the next stage's model (gateway.cascade)."""
@@ -255,6 +294,8 @@ class CascadeConfig(_Frozen):
     # "final_live": earlier stages are buffered, the last one streams as it is generated; "buffered": every
     # stage is buffered and the answering one replayed (no byte leaves before the judge has spoken).
     streaming: Literal["final_live", "buffered"] = "final_live"
+    # Re-plan the thresholds on workload shift (None: the configured thresholds stay).
+    replan: ReplanConfig | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> CascadeConfig:
@@ -332,6 +373,11 @@ class GatewayConfig(_Frozen):
         for name in names:
             if name in stage_models:
                 raise ValueError(f"cascades: {name!r} is both a cascade and a stage model")
+        replanned = [c.name for c in self.cascades if c.replan is not None]
+        if replanned and self.workers != 1:
+            raise ValueError(f"cascades: {', '.join(replanned)} re-plan in a one-process gateway "
+                             "(workers: 1): the rate test counts the arrivals, and each worker of several "
+                             "sees only its share")
         return self
 
 

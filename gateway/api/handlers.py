@@ -1,5 +1,5 @@
-"""HTTP endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`, `GET /openapi.json` (`gateway.api.openapi`).
+"""HTTP endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /v1/plan`,
+`GET /v1/cascades`, `GET /health`, `GET /metrics`, `GET /openapi.json` (`gateway.api.openapi`).
 
 Owns: reading the body under the size limit and within `client_limits.body_read_timeout_s` (else 408),
 refusing output limits beyond the model's context (the smallest its engines described), the client-facing time
@@ -128,6 +128,7 @@ class ApiHandlers:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/plan", self.get_plan)
+        app.router.add_get("/v1/cascades", self.get_cascades)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", OpenApiRoute().handle)
@@ -160,6 +161,22 @@ class ApiHandlers:
         body = {"object": "plan", "plan": self.plan, "planned_combos": planned, "serving_combos": serving,
                 "fleet": fleet,
                 "autoscale": self.autoscale_view() if self.autoscale_view is not None else False}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def get_cascades(self, request: web.Request) -> web.Response:
+        """The cascades served as models (those the API key may use): each one's models and thresholds now
+        and, with `replan:`, its re-planning state (`gateway.cascade.replanner.CascadeReplanner.view`). 404
+        without cascades."""
+        try:
+            key = self.access.authenticate(request.headers)
+        except ApiError as e:
+            return errors.error_response(e)
+        if self.cascades is None:
+            return errors.error_response(ApiError(
+                404, "no cascades configured (cascades: in the config, or --cascade)",
+                "invalid_request_error", code="not_found"))
+        visible = set(self.access.visible_models(key, self.cascades.names()))
+        body = {"object": "list", "data": [c for c in self.cascades.view() if c["name"] in visible]}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def list_models(self, request: web.Request) -> web.Response:

@@ -107,6 +107,9 @@ def openapi_document() -> dict[str, Any]:
             "/v1/plan": _get("The configured CAUCHY plan next to the fleet by combo, and the autoscaler's "
                              "state when it runs (404 without a plan)",
                              "application/json"),
+            "/v1/cascades": _get("The cascades served as models: their thresholds now and, when they "
+                                 "re-plan, the current window, the last shift tests and the re-plan history "
+                                 "(404 without cascades)", "application/json"),
             "/health": _get("Readiness (503 while no engine is ready or while draining)", "application/json"),
             "/metrics": _get("Prometheus exposition", "text/plain"),
             "/openapi.json": _get("This document", "application/json"),

@@ -5,20 +5,26 @@ running `CascadeLife` (`gateway.cascade.core`, the decisions the simulator runs 
 each stage an ordinary `Dispatcher.run` of the request with the stage's model; earlier stages into a
 `StageBuffer` (nothing reaches the client, so a stage that fails mid-stream runs again elsewhere), the judge
 asked with the stage's answer, then the answering stage replayed to the client's sink, or (`final_live`) the
-last stage streamed straight to it. The response headers `x-switchyard-cascade-stage|model|scores` are set
-before the first byte; `usage` is the stages' (`CascadeLife.usage_of`). Metrics: answers by stage, escalations
-by reason, judge seconds and tokens. `cluster_complete`: the `cluster` judge's call through this gateway's own
-fleet.
+last stage streamed straight to it. The response headers `x-switchyard-cascade-stage|model|scores|thresholds`
+are set before the first byte; `usage` is the stages' (`CascadeLife.usage_of`). Metrics: answers by stage,
+escalations by reason, judge seconds and tokens, each cascade's thresholds. A cascade with `replan:` has a
+`CascadeReplanner` (gateway.cascade.replanner): its arrivals and answers are fed to it, a shadowed request's
+other stages run after its answer is out (`_shadow_dispatch`, `_shadow_judge`), and `run_replans` is the
+background work that re-plans its thresholds (`set_thresholds`). `cluster_complete`: the `cluster` judge's
+call through this gateway's own fleet.
 Must not: decide anything of the cascade (the life does), route (the policies do), parse HTTP or format chunks
 (the API layer does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from gateway.cascade.core import (
     Answer,
@@ -31,7 +37,8 @@ from gateway.cascade.core import (
     RunStage,
     Stage,
 )
-from gateway.cascade.judge import CompletionResult, Judge, JudgeRequest, JudgeTransportError
+from gateway.cascade.judge import CompletionResult, Judge, JudgeRequest, JudgeTransportError, Verdict
+from gateway.cascade.replanner import CascadeReplanner, StageAnswer, load_planning_profile
 from gateway.config import CascadeConfig
 from gateway.dispatch.dispatcher import Dispatcher, EventSink, NoEngineAvailable
 from gateway.dispatch.features import RoutingHints
@@ -54,6 +61,7 @@ STAGE_HEADER = "x-switchyard-cascade-stage"
 MODEL_HEADER = "x-switchyard-cascade-model"
 SCORES_HEADER = "x-switchyard-cascade-scores"
 DEGRADED_HEADER = "x-switchyard-cascade-degraded"
+THRESHOLDS_HEADER = "x-switchyard-cascade-thresholds"  # the thresholds the request ran under (re-planned)
 
 
 class CascadeUnavailable(Exception):
@@ -97,18 +105,22 @@ class StageBuffer:
 
 
 class _Counting:
-    """The client's sink, noting whether any event reached it (after that, no stage can be taken back)."""
+    """The client's sink, noting whether any event reached it (after that, no stage can be taken back); with
+    `texts` (a shadowed request) it keeps the text too, for the judge after the answer."""
 
-    __slots__ = ("sink", "events", "prompt_tokens", "completion_tokens")
+    __slots__ = ("sink", "events", "prompt_tokens", "completion_tokens", "texts")
 
-    def __init__(self, sink: EventSink) -> None:
+    def __init__(self, sink: EventSink, texts: list[str] | None = None) -> None:
         self.sink = sink
         self.events = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.texts = texts
 
     async def on_event(self, index: int, event: EngineEvent) -> None:
         self.events += 1
+        if self.texts is not None and isinstance(event, Delta):
+            self.texts.append(event.text)
         if isinstance(event, Admitted):
             self.prompt_tokens = event.prompt_tokens
         elif isinstance(event, Finished):
@@ -147,6 +159,22 @@ class CascadeRunner:
         self._judges = dict(judges)
         self._metrics = metrics
         self._clock = clock
+        for name in self.specs:
+            self._show_thresholds(name)
+        # Re-planning (`replan:`): ConfigError naming the cascade when its quality profile cannot serve.
+        self.replanners: dict[str, CascadeReplanner] = {}
+        for index, c in enumerate(cascades):
+            if c.replan is not None:
+                self.replanners[c.name] = CascadeReplanner(
+                    c,
+                    load_planning_profile(index, c),
+                    current=functools.partial(self._thresholds, c.name),
+                    swap=functools.partial(self.set_thresholds, c.name),
+                    dispatch=self._shadow_dispatch,
+                    judge=functools.partial(self._shadow_judge, c.name),
+                    metrics=metrics,
+                    clock=clock,
+                )
 
     def names(self) -> list[str]:
         return list(self.specs)
@@ -155,10 +183,49 @@ class CascadeRunner:
         """Swap a cascade's thresholds (a re-plan): requests already running keep the spec they started
         with."""
         self.specs[name] = self.specs[name].with_thresholds(thresholds)
+        self._show_thresholds(name)
+
+    def _thresholds(self, name: str) -> tuple[float, ...]:
+        return self.specs[name].thresholds
+
+    def _show_thresholds(self, name: str) -> None:
+        for stage, threshold in enumerate(self.specs[name].thresholds):
+            self._metrics.cascade_threshold.labels(name, str(stage)).set(threshold)
+
+    async def run_replans(self) -> None:
+        """The re-planning cascades' windows, until cancelled (the app's background work)."""
+        await asyncio.gather(*(r.run() for r in self.replanners.values()))
+
+    def view(self) -> list[dict[str, Any]]:
+        """GET /v1/cascades: each cascade's models and thresholds now, and its re-planning state."""
+        out = []
+        for name, spec in self.specs.items():
+            config = self.configs[name]
+            replanner = self.replanners.get(name)
+            out.append({
+                "name": name, "models": list(spec.models), "thresholds": list(spec.thresholds),
+                "streaming": config.streaming, "on_judge_failure": config.on_judge_failure,
+                "judge": config.judge.kind,
+                "replan": replanner.view() if replanner is not None else None,
+            })
+        return out
 
     async def close(self) -> None:
+        for replanner in self.replanners.values():
+            await replanner.close()  # the shadows use the judges
         for judge in self._judges.values():
             await judge.close()
+
+    async def _shadow_dispatch(self, request: EngineRequest) -> StageAnswer:
+        """A shadowed request's stage: an ordinary dispatch, buffered (nothing reaches any client)."""
+        buffer = StageBuffer(_nothing)
+        await self._dispatcher.run([request], RoutingHints(arrival_s=self._clock.now()), buffer)
+        if not buffer.finished:
+            raise EngineStreamError(f"{request.model}: the stream ended without a finish")
+        return StageAnswer(buffer.text, buffer.prompt_tokens, buffer.completion_tokens)
+
+    async def _shadow_judge(self, name: str, request: EngineRequest, answer: str, model: str) -> Verdict:
+        return await self._judges[name].judge(judge_request(request, answer, model))
 
     async def run(
         self,
@@ -178,6 +245,8 @@ class CascadeRunner:
         life = CascadeLife(spec, self.breakers[name])
         buffers: dict[int, StageBuffer] = {}
         live_last = config.streaming == "final_live"
+        replanner = self.replanners.get(name)
+        shadow = replanner.on_arrival() if replanner is not None else False
         effect: Effect = life.start()
         while True:
             if isinstance(effect, RunStage):
@@ -190,7 +259,7 @@ class CascadeRunner:
                     else dataclasses.replace(hints, avoid=frozenset({EngineId(effect.avoid)}))
                 )
                 if live_last and effect.index == len(spec.stages) - 1:
-                    counting = _Counting(sink)
+                    counting = _Counting(sink, [] if shadow else None)
                     set_headers(self._headers(life, effect.index, degraded=False))
                     try:
                         await self._dispatcher.run([stage_request], stage_hints, counting)
@@ -203,6 +272,11 @@ class CascadeRunner:
                         counting.prompt_tokens, counting.completion_tokens, self._clock.now()
                     )
                     self._count(life)
+                    if replanner is not None:
+                        texts = {i: b.text for i, b in buffers.items()} if shadow else None
+                        if texts is not None and counting.texts is not None:
+                            texts[len(spec.stages) - 1] = "".join(counting.texts)
+                        replanner.on_answer(request, life, texts)
                     return life
                 buffer = StageBuffer(touch)
                 buffers[effect.index] = buffer
@@ -243,6 +317,9 @@ class CascadeRunner:
                 for event in buffers[effect.index].events:
                     await sink.on_event(0, event)
                 self._count(life)
+                if replanner is not None:
+                    texts = {i: b.text for i, b in buffers.items()} if shadow else None
+                    replanner.on_answer(request, life, texts)
                 return life
             else:
                 assert isinstance(effect, Fail)
@@ -255,6 +332,7 @@ class CascadeRunner:
             STAGE_HEADER: str(index),
             MODEL_HEADER: life.spec.stages[index].model,
             SCORES_HEADER: scores,
+            THRESHOLDS_HEADER: ",".join(f"{t:g}" for t in life.spec.thresholds),
         }
         if degraded:
             headers[DEGRADED_HEADER] = "true"

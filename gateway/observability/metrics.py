@@ -22,8 +22,9 @@ from gateway.domain import ClusterSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Gauges every worker process of one gateway (gateway.workers) reports alike: the engine state each worker's
-# store is pushed, and the configured worker count. A merged scrape (observability/merge.py) takes them from
-# the answering worker; every other gauge describes its own process (in-flight requests) and is summed.
+# store is pushed, the configured worker count, the cascades' thresholds (re-planned in one-process gateways
+# only). A merged scrape (observability/merge.py) takes them from the answering worker; every other gauge
+# describes its own process (in-flight requests) and is summed.
 SHARED_GAUGES = frozenset(
     {
         "switchyard_engine_running_requests",
@@ -33,6 +34,7 @@ SHARED_GAUGES = frozenset(
         "switchyard_engine_stale",
         "switchyard_engine_state_age_seconds",
         "switchyard_gateway_workers",
+        "switchyard_cascade_threshold",
     }
 )
 
@@ -416,6 +418,40 @@ class GatewayMetrics:
             "switchyard_cascade_judge_tokens_total",
             "Tokens the judge used (kind: prompt or completion), by cascade; never billed to the client",
             ["cascade", "kind"],
+            registry=r,
+        )
+        # Re-planning cascades on workload shift (gateway.cascade.replanner), only with `replan:` configured;
+        # the thresholds gauge for every cascade.
+        self.cascade_shadow_tokens = Counter(
+            "switchyard_cascade_shadow_tokens_total",
+            "Tokens of shadowed requests' unbilled work (kind: prompt or completion of the stages the "
+            "cascade did not run for them, judge: the judge's prompt and completion tokens), by cascade",
+            ["cascade", "kind"],
+            registry=r,
+        )
+        self.cascade_shadow_requests = Counter(
+            "switchyard_cascade_shadow_requests_total",
+            "Shadowed requests by cascade and outcome (recorded, stage_failed, judge_failed, skipped: over "
+            "the concurrency bound, cancelled: at shutdown)",
+            ["cascade", "outcome"],
+            registry=r,
+        )
+        self.cascade_replans = Counter(
+            "switchyard_cascade_replans_total",
+            "Re-plans adopted (Algorithm 1 re-run on a workload shift, thresholds swapped), by cascade",
+            ["cascade"],
+            registry=r,
+        )
+        self.cascade_threshold = Gauge(
+            "switchyard_cascade_threshold",
+            "A cascade's current acceptance threshold (0-100) at each stage but the last (0-based)",
+            ["cascade", "stage"],
+            registry=r,
+        )
+        self.cascade_replan_solver_seconds = LoopHistogram(
+            "switchyard_cascade_replan_solver_seconds",
+            "Seconds one re-plan's Algorithm 1 took (in a worker thread, off the event loop)",
+            (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
             registry=r,
         )
         self.workers = Gauge(
