@@ -19,7 +19,6 @@ import functools
 import gc
 import logging
 import random
-import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
@@ -48,6 +47,7 @@ from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.engines.grpc_link import load_engine_link
 from gateway.engines.openai_upstream import OpenAIUpstreamClient
 from gateway.fleet.autoscale import Actuator, AutoscaleLoop
+from gateway.listen import bound_port, stop_on_signals
 from gateway.observability.loop_lag import lag_monitor_ctx
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.siblings import SiblingScrape
@@ -357,8 +357,6 @@ async def serve(
         keepalive_timeout=config.client_limits.header_read_timeout_s,
     )
     await runner.setup()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
     try:
         site: web.BaseSite = (
             web.SockSite(runner, sock)
@@ -371,23 +369,15 @@ async def serve(
             await site.start()
         except OSError as e:
             raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from e
-        port = _bound_port(runner, config.port)
+        port = bound_port(runner, config.port)
         base_url = f"http://{config.host}:{port}"
         log.info("gateway listening on %s", base_url)
         if on_listening is not None:
             on_listening(base_url)
-        for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
-            try:
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
-            except (NotImplementedError, RuntimeError):  # not the main thread / platform without signals
-                pass
-        with _collector_tuned():
+        with stop_on_signals(stop, handle_signals), _collector_tuned():
             await stop.wait()
         log.info("shutting down")
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
         await runner.cleanup()
 
 
@@ -436,8 +426,3 @@ def _collector_tuned() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _bound_port(runner: web.AppRunner, configured: int) -> int:
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            return int(address[1])
-    return configured

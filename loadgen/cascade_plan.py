@@ -52,24 +52,23 @@ def _models(text: str) -> tuple[str, ...]:
     return models
 
 
-def _positive(text: str) -> float:
+def _number(text: str, *, strict: bool) -> float:
+    """A finite number > 0 (`strict`) or >= 0, for argparse."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not math.isfinite(value) or value < 0 or (strict and value == 0):
+        raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} 0, got {text}")
     return value
+
+
+def _positive(text: str) -> float:
+    return _number(text, strict=True)
 
 
 def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _number(text, strict=False)
 
 
 def add_parser(sub: Any) -> None:
@@ -181,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"loadgen: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    if not plan.feasible:
+        print(f"loadgen: no deployment of {count} {gpu} GPUs keeps up with {args.rate:g} req/s under any "
+              f"routing; the plan in {args.output} is marked infeasible", file=sys.stderr)
+        return 1
     shapes = "; ".join(
         ",".join(f"{c}x(tp{tp},pp{pp})" for tp, pp, c in stage) or "-" for stage in plan.shapes
     )

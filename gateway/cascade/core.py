@@ -335,3 +335,20 @@ class CascadeLife:
             },
         }
         return out
+
+
+def shadow_needs(stages: Sequence[StageRecord], models: Sequence[str]) -> list[str]:
+    """Per stage model, what a shadowed request (Cascadia footnote 5) still needs once its answer is out, live
+    and in the simulator alike: "scored" (the cascade's verdict is in hand),
+    "judge" (the stage ran, its answer is held, the judge did not score it: the answering last stage, a failed
+    verdict) or "dispatch" (the stage did not run, or could not)."""
+    needs: list[str] = []
+    for index in range(len(models)):
+        record = stages[index] if index < len(stages) else None
+        if record is None or record.decision == "failed":
+            needs.append("dispatch")
+        elif record.judge_outcome == "ok" and record.score is not None:
+            needs.append("scored")
+        else:
+            needs.append("judge")
+    return needs

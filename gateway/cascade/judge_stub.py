@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import logging
 import random
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from aiohttp import web
 from gateway.cascade.judge import JUDGED_MODEL_HEADER, rating_from_profile
 from gateway.cascade.judge_prompt import EXPLAIN_INSTRUCTION, extract_question, rating_reply
 from gateway.cascade.quality import QualityProfile, QualityProfileError, estimate_tokens, load_profile
+from gateway.listen import bound_port, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -218,26 +218,16 @@ async def serve_stub(
     stop = stop or asyncio.Event()
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        bound = next((int(a[1]) for a in runner.addresses if isinstance(a, tuple) and len(a) >= 2), port)
-        base_url = f"http://{host}:{bound}"
+        base_url = f"http://{host}:{bound_port(runner, port)}"
         log.info("judge stub listening on %s", base_url)
         if on_listening is not None:
             on_listening(base_url)
-        for sig in (signal.SIGTERM, signal.SIGINT) if handle_signals else ():
-            try:
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
-            except (NotImplementedError, RuntimeError):
-                pass
-        await stop.wait()
+        with stop_on_signals(stop, handle_signals):
+            await stop.wait()
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
         await runner.cleanup()
 
 

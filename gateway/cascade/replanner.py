@@ -36,18 +36,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.cascade.core import CascadeLife, StageRecord
+from gateway.cascade.core import CascadeLife, StageRecord, shadow_needs
 from gateway.cascade.judge import Verdict
 from gateway.cascade.plan import CascadePlan, PlanRequest, plan_cascade
 from gateway.cascade.plan.replan import (
+    SHADOW_CONCURRENCY,
     Baseline,
     ReplanParams,
     ShadowRow,
     Shift,
     Step,
     WorkloadMonitor,
+    adopted_baseline,
     replicas,
     rollout,
+    servable_thresholds,
     shadow_item,
 )
 from gateway.cascade.quality import ItemScore, QualityProfile, QualityProfileError, load_profile
@@ -58,9 +61,7 @@ from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
 
-SHADOW_CONCURRENCY = 8  # shadowed requests running at once per cascade; more are skipped (and counted)
 HISTORY_KEPT = 100  # re-plan records kept for GET /v1/cascades
-MAX_THRESHOLD = 100.0  # the gateway's thresholds stop at 100 (a 100 score is still accepted)
 
 Planner = Callable[[PlanRequest, QualityProfile], CascadePlan]
 
@@ -85,42 +86,6 @@ def _plan_with_timer(request: PlanRequest, profile: QualityProfile) -> CascadePl
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------------
-
-
-def servable_thresholds(thresholds: Sequence[float]) -> tuple[tuple[float, ...], tuple[str, ...]]:
-    """A plan's thresholds as the gateway takes them: the routing search's 101 (escalate every request) is
-    served as 100, which escalates all but a perfect score; notes say where."""
-    out: list[float] = []
-    notes: list[str] = []
-    for stage, value in enumerate(thresholds):
-        served = min(max(float(value), 0.0), MAX_THRESHOLD)
-        if served != value:
-            notes.append(f"stage {stage}: the plan's threshold {value:g} is served as {served:g}")
-        out.append(served)
-    return tuple(out), tuple(notes)
-
-
-def adopted_baseline(
-    profile: QualityProfile,
-    models: Sequence[str],
-    thresholds: Sequence[float],
-    shift: Shift,
-    *,
-    shadowed: bool,
-    sample_size: int,
-) -> Baseline:
-    """What later windows are tested against once a plan made on `profile` at `shift.rate_rps` runs.
-
-    The rate and the scores are the plan's. The lengths are the engines' counts where they are known, so a
-    steady workload does not look shifted for ever: prompts are the window's full sample (the profile's are
-    ceil(bytes / 4) of the question, without a chat template); answers are the shadowed rows' under the new
-    thresholds when the plan was made on them (`shadowed`), else the window's full sample, else the
-    profile's."""
-    planned = Baseline.of_profile(profile, models, thresholds, shift.rate_rps)
-    full = len(shift.prompt_tokens) >= sample_size
-    prompts = shift.prompt_tokens if full else planned.prompt_tokens
-    answers = planned.answer_tokens if shadowed or not full else shift.answer_tokens
-    return Baseline(shift.rate_rps, tuple(prompts), tuple(answers), planned.scores, shadowed or full)
 
 
 def _finite(value: float) -> float | None:
@@ -174,22 +139,6 @@ def user_turns(request: EngineRequest) -> tuple[str, ...]:
     if request.messages is not None:
         return tuple(m.content for m in request.messages if m.role == "user") or ("",)
     return (request.prompt_text or "",)
-
-
-def shadow_needs(stages: Sequence[StageRecord], models: Sequence[str]) -> list[str]:
-    """Per stage model, what a shadowed request still needs: "scored" (the cascade's verdict is in hand),
-    "judge" (the stage ran, its answer is held, the judge did not score it: the answering last stage, a failed
-    verdict) or "dispatch" (the stage did not run, or could not)."""
-    needs: list[str] = []
-    for index in range(len(models)):
-        record = stages[index] if index < len(stages) else None
-        if record is None or record.decision == "failed":
-            needs.append("dispatch")
-        elif record.judge_outcome == "ok" and record.score is not None:
-            needs.append("scored")
-        else:
-            needs.append("judge")
-    return needs
 
 
 # ---- the live side --------------------------------------------------------------------------------------
@@ -403,6 +352,13 @@ class CascadeReplanner:
             return record
         finally:
             self.replanning = False
+        if not plan.feasible:  # no routing keeps up at this rate on these GPUs: keep serving as is
+            record |= {"adopted": False, "error": f"infeasible: nothing keeps up with {shift.rate_rps:.3g} "
+                                                  f"req/s on {r.gpus}"}
+            self._record(record)
+            log.warning("cascade %s: re-plan infeasible (%s); thresholds kept", self.name,
+                        "; ".join(shift.reasons))
+            return record
         solver_s = plan.solver_s if plan.solver_s is not None else took_s
         thresholds, notes = servable_thresholds(plan.thresholds)
         document = plan_summary(plan, request, r.dataset)

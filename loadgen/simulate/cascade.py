@@ -53,9 +53,16 @@ from gateway.cascade.core import (
     Fail,
     JudgeBreaker,
     RunStage,
+    shadow_needs,
 )
 from gateway.cascade.judge_prompt import Output, build_prompt, profile_rating, rating_reply
-from gateway.cascade.plan.replan import Baseline, ReplanParams, ShadowRow, WorkloadMonitor
+from gateway.cascade.plan.replan import (
+    SHADOW_CONCURRENCY,
+    Baseline,
+    ReplanParams,
+    ShadowRow,
+    WorkloadMonitor,
+)
 from gateway.cascade.quality import (
     SCORE_SCALE,
     SUBSETS,
@@ -233,6 +240,7 @@ class _Pending:
     stage_times: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     stage_tokens: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     engines: dict[int, str] = dataclasses.field(default_factory=dict)
+    shadowed: bool = False  # the monitor chose it: shadowed once answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,10 +273,10 @@ class _JudgeInFlight:
 
 @dataclass
 class _Shadow:
-    index: int  # the client request's schedule index
-    item: int
-    waiting: int  # shadow stage requests still running
-    missing: set[int] = field(default_factory=set)  # stages whose shadow request no engine took
+    pending: _Pending  # the answered client request
+    needs: list[str]  # per stage: `gateway.cascade.core.shadow_needs`
+    scores: dict[str, ItemScore] = field(default_factory=dict)
+    at: int = 0  # the stage being seen to
 
 
 DispatchStage = Callable[[int, float, Request, str], None]  # (schedule index, now, stage request, model)
@@ -312,11 +320,14 @@ class CascadeRun:
                 replan.planned_on, sim.spec.models, sim.spec.thresholds, replan.rate_rps
             )
             self.monitor = WorkloadMonitor(sim.spec.models, baseline, replan.params, start_s=t0, seed=seed)
-        self.shadow_of: dict[str, tuple[_Shadow, int]] = {}  # shadow request id -> (its shadow, stage)
+        self.shadows_in_flight = 0
+        self.shadow_of: dict[str, _Shadow] = {}  # shadow request id -> its shadow (at the stage it runs)
         self.shadow = {
             "requests": 0,
             "rows": 0,
-            "missing": 0,
+            "dropped": 0,
+            "skipped": 0,
+            "dispatches": 0,
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "judge_prompt_tokens": 0,
@@ -339,8 +350,7 @@ class CascadeRun:
         self.lives.append(life)
         pending = _Pending(index, request, now_s, life, item)
         self.pending[index] = pending
-        if self.monitor is not None and self.monitor.on_arrival():
-            self._shadow(pending, now_s)
+        pending.shadowed = self.monitor is not None and self.monitor.on_arrival()
         self._apply(pending, life.start(), now_s)
 
     def set_thresholds(self, thresholds: Sequence[float]) -> None:
@@ -357,43 +367,50 @@ class CascadeRun:
         )
 
     def _shadow(self, pending: _Pending, now_s: float) -> None:
-        """Footnote 5: the request also runs on every later stage (stage 0 runs anyway), each answer judged;
-        the row of scores goes to the monitor. Shadow work loads the fleet but is nobody's outcome and is
-        never billed; its verdicts are drawn by the judge's rule when the answers finish (they do not
-        queue on a pool judge)."""
-        stages = self.spec.models
-        shadow = _Shadow(pending.index, pending.item, len(stages) - 1)
-        self.shadow["requests"] += 1
-        for stage in range(1, len(stages)):
-            rid = f"{pending.request.request_id}~x{stage}"
-            self.shadow_of[rid] = (shadow, stage)
-            self.dispatch(
-                pending.index, now_s, self._stage_request(pending, stages[stage], rid), stages[stage]
-            )
-
-    def _shadow_done(self, shadow: _Shadow, stage: int, prompt: int, completion: int) -> None:
-        counts = self.shadow
-        counts["prompt_tokens"] += prompt
-        counts["completion_tokens"] += completion
-        shadow.waiting -= 1
-        if shadow.waiting:
+        """Footnote 5, as the live gateway shadows (`gateway.cascade.replanner`): once the client's answer is
+        out, each stage in turn keeps the cascade's verdict, has the judge score its held answer, or runs
+        (a dispatch) and is judged; the row of scores goes to the monitor, and a stage no engine takes drops
+        it. Shadow work loads the fleet but is nobody's outcome and is never billed. Its verdicts are drawn by
+        the judge's rule when needed (they do not queue on a pool judge)."""
+        if self.shadows_in_flight >= SHADOW_CONCURRENCY:  # as live: over the bound, skipped
+            self.shadow["skipped"] += 1
             return
-        assert self.monitor is not None
-        judge, profile = self.sim.judge, self.sim.profile
-        scores: dict[str, ItemScore] = {}
-        for index, model in enumerate(self.spec.models):
-            if index in shadow.missing:
-                continue
-            rng = np.random.default_rng([self.seed, 17, shadow.index, index])
-            score = judge.verdict(profile.scores(model)[shadow.item].score, rng)
-            scores[model] = ItemScore(score, profile.scores(model)[shadow.item].answer_tokens)
-            if index > 0:
-                counts["judge_prompt_tokens"] += judge_prompt_tokens(
-                    profile, shadow.item, model, judge.output
+        self.shadow["requests"] += 1
+        self.shadows_in_flight += 1
+        self._shadow_step(_Shadow(pending, shadow_needs(pending.life.stages, self.spec.models)), now_s)
+
+    def _shadow_step(self, shadow: _Shadow, now_s: float) -> None:
+        models, pending = self.spec.models, shadow.pending
+        while shadow.at < len(models):
+            stage, need = shadow.at, shadow.needs[shadow.at]
+            if need == "dispatch":
+                rid = f"{pending.request.request_id}~x{stage}"
+                self.shadow_of[rid] = shadow
+                self.shadow["dispatches"] += 1
+                self.dispatch(
+                    pending.index, now_s, self._stage_request(pending, models[stage], rid), models[stage]
                 )
-                counts["judge_completion_tokens"] += judge.completion_tokens(score)
-        counts["rows"] += 1
-        self.monitor.on_shadow(ShadowRow(profile.items[shadow.item], scores))
+                return
+            record = pending.life.stages[stage]
+            if need == "scored":
+                assert record.score is not None
+                shadow.scores[models[stage]] = ItemScore(record.score, record.completion_tokens)
+            else:
+                self._shadow_verdict(shadow, stage, record.completion_tokens)
+            shadow.at += 1
+        assert self.monitor is not None
+        self.shadows_in_flight -= 1
+        self.shadow["rows"] += 1
+        self.monitor.on_shadow(ShadowRow(self.sim.profile.items[pending.item], shadow.scores))
+
+    def _shadow_verdict(self, shadow: _Shadow, stage: int, completion: int) -> None:
+        judge, profile, item = self.sim.judge, self.sim.profile, shadow.pending.item
+        model = self.spec.models[stage]
+        rng = np.random.default_rng([self.seed, 17, shadow.pending.index, stage])
+        score = judge.verdict(profile.scores(model)[item].score, rng)
+        shadow.scores[model] = ItemScore(score, completion)
+        self.shadow["judge_prompt_tokens"] += judge_prompt_tokens(profile, item, model, judge.output)
+        self.shadow["judge_completion_tokens"] += judge.completion_tokens(score)
 
     def _apply(self, pending: _Pending, effect: Effect, now_s: float) -> None:
         if isinstance(effect, RunStage):
@@ -482,9 +499,13 @@ class CascadeRun:
     def on_stage_finished(
         self, rid: str, times: Sequence[float], prompt: int, completion: int, engine_id: str, now_s: float
     ) -> None:
-        shadowed = self.shadow_of.pop(rid, None)
-        if shadowed is not None:
-            self._shadow_done(shadowed[0], shadowed[1], prompt, completion)
+        shadow = self.shadow_of.pop(rid, None)
+        if shadow is not None:
+            self.shadow["prompt_tokens"] += prompt
+            self.shadow["completion_tokens"] += completion
+            self._shadow_verdict(shadow, shadow.at, completion)
+            shadow.at += 1
+            self._shadow_step(shadow, now_s)
             return
         judged = self.judge_of.pop(rid, None)
         if judged is not None:  # the verdict is due at once: applied at the runner's next sync point
@@ -499,12 +520,9 @@ class CascadeRun:
         self._apply(pending, pending.life.on_stage_done(prompt, completion, now_s), now_s)
 
     def on_stage_failed(self, rid: str, error: str, now_s: float) -> None:
-        shadowed = self.shadow_of.pop(rid, None)
-        if shadowed is not None:  # that model is missing from the row (live: its stage could not run)
-            shadow, stage = shadowed
-            shadow.missing.add(stage)
-            self.shadow["missing"] += 1
-            self._shadow_done(shadow, stage, 0, 0)
+        if self.shadow_of.pop(rid, None) is not None:  # the row is dropped, as live
+            self.shadows_in_flight -= 1
+            self.shadow["dropped"] += 1
             return
         judged = self.judge_of.pop(rid, None)
         if judged is not None:  # no engine took the judge request: a failed verdict (module doc)
@@ -549,6 +567,8 @@ class CascadeRun:
             ),
             now_s,
         )
+        if pending.shadowed:  # after the client's answer, as live
+            self._shadow(pending, now_s)
 
     def figures(self) -> dict[str, Any]:
         """`cascade` of the results: share of requests reaching each stage, answered by each, escalated

@@ -27,7 +27,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.cascade.plan import PlanRequest, plan_cascade
-from gateway.cascade.plan.replan import Baseline, Replica, Shift, Step, replicas, rollout
+from gateway.cascade.plan.replan import (
+    Replica,
+    Shift,
+    Step,
+    adopted_baseline,
+    replicas,
+    rollout,
+    servable_thresholds,
+)
 from loadgen.simulate.cascade import CascadeRun, SimReplan
 from loadgen.simulate.fleet import SimNode
 from loadgen.simulate.spec import SimOptions
@@ -52,10 +60,20 @@ def replica_of(node: SimNode) -> Replica:
 class CascadeReplanner:
     """One run's re-planning: windows, solves, threshold swaps and rolling reconfiguration."""
 
-    def __init__(self, replan: SimReplan, cascade: CascadeRun, options: SimOptions, nodes: Sequence[SimNode],
-                 t0_s: float, last_arrival_s: float, *, join: Callable[[SimNode, float], None],
-                 leave: Callable[[SimNode, float], None], counts: dict[str, int],
-                 timer: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        replan: SimReplan,
+        cascade: CascadeRun,
+        options: SimOptions,
+        nodes: Sequence[SimNode],
+        t0_s: float,
+        last_arrival_s: float,
+        *,
+        join: Callable[[SimNode, float], None],
+        leave: Callable[[SimNode, float], None],
+        counts: dict[str, int],
+        timer: Callable[[], float],
+    ) -> None:
         monitor = cascade.monitor
         if monitor is None:
             raise ValueError("a re-planning run needs the cascade run's monitor")
@@ -139,28 +157,53 @@ class CascadeReplanner:
             return
         replan = self.replan
         profile = shift.profile if shift.profile is not None else self.planned_on
-        request = PlanRequest(self.models, replan.gpu, replan.gpus, shift.rate_rps, q_min=replan.q_min,
-                              l_max_s=replan.l_max_s, judge_latency_s=replan.judge_latency_s)
+        request = PlanRequest(
+            self.models,
+            replan.gpu,
+            replan.gpus,
+            shift.rate_rps,
+            q_min=replan.q_min,
+            l_max_s=replan.l_max_s,
+            judge_latency_s=replan.judge_latency_s,
+        )
         started = self._timer()
         plan = plan_cascade(request, profile)
         solver_s = self._timer() - started
         self._busy = True
-        self._row("replan", now_s, reason=reason, rate_rps=shift.rate_rps,
-                  shadowed=len(profile.items) if shift.profile is not None else 0, solver_s=solver_s,
-                  thresholds=list(plan.thresholds), gpus=list(plan.gpus),
-                  shapes=[[list(g) for g in stage] for stage in plan.shapes], feasible=plan.feasible)
-        self._push(now_s + solver_s, "land", (plan, profile, shift.rate_rps, shift.profile is not None))
+        self._row(
+            "replan",
+            now_s,
+            reason=reason,
+            rate_rps=shift.rate_rps,
+            shadowed=len(profile.items) if shift.profile is not None else 0,
+            solver_s=solver_s,
+            thresholds=list(plan.thresholds),
+            gpus=list(plan.gpus),
+            shapes=[[list(g) for g in stage] for stage in plan.shapes],
+            feasible=plan.feasible,
+        )
+        self._push(now_s + solver_s, "land", (plan, profile, shift))
 
     def _land(self, payload: Any, now_s: float) -> None:
-        plan, profile, rate, sampled = payload
+        plan, profile, shift = payload
+        shadowed = shift.profile is not None
         if not plan.feasible:  # nothing keeps up at this rate: keep serving as is
             self._row("replan_infeasible", now_s)
             self._busy = False
             return
-        thresholds = tuple(plan.thresholds)
+        thresholds, _ = servable_thresholds(plan.thresholds)  # 101 (escalate all) is served as 100, as live
         self.cascade.set_thresholds(thresholds)
         self.planned_on = profile
-        self.monitor.adopt(Baseline.of_profile(profile, self.models, thresholds, rate, sampled=sampled))
+        self.monitor.adopt(
+            adopted_baseline(
+                profile,
+                self.models,
+                thresholds,
+                shift,
+                shadowed=shadowed,
+                sample_size=self.monitor.params.sample_size,
+            )
+        )
         current = [replica_of(n) for n in self.serving]
         self._steps = list(rollout(current, replicas(self.models, plan.shapes), self.replan.gpus))
         self._row("thresholds", now_s, thresholds=list(thresholds), steps=len(self._steps))
@@ -193,8 +236,9 @@ class CascadeReplanner:
             self._next_step(now_s)
             return
         for replica in adds:
-            name = profile_name(self.replan.gpu, replica.model, replica.tensor_parallel,
-                                replica.pipeline_parallel)
+            name = profile_name(
+                self.replan.gpu, replica.model, replica.tensor_parallel, replica.pipeline_parallel
+            )
             index = self._counts.get(name, 0)
             self._counts[name] = index + 1
             node = SimNode(f"{name}-{index}", name, self.options, billed_from_s=now_s)

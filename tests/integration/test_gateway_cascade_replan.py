@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from agent_process import Agent
 from scipy import stats
-from test_gateway_cascade import PROFILE, TURN_ONE, WEAK, metric_lines, stub
+from test_gateway_cascade import ACCEPTED, ESCALATED, MAX_TOKENS, PROFILE, TURN_ONE, WEAK, metric_lines, stub
 
 from gateway.app import HANDLERS_KEY, build_app, running
 from gateway.cascade.judge_stub import STUB_COUNTS
@@ -30,9 +30,6 @@ from gateway.engines.grpc_client import GrpcEngineClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-MAX_TOKENS = 12
-ACCEPTED = next(i for i in TURN_ONE if WEAK[i].score >= 90)
-ESCALATED = next(i for i in TURN_ONE if WEAK[i].score < 90)
 MODELS = ("llama3-8b", "llama3-70b")
 
 

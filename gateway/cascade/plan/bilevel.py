@@ -219,8 +219,8 @@ def plan_cascade(request: PlanRequest, profile: QualityProfile, *, solver: Alloc
         else:
             stable += 1
         pending = routing_solver.propose()
-    best = routing_solver.best
-    assert best is not None  # the first iteration evaluates θ0
+    # Every J infinite (no routing keeps up at this rate on these GPUs): the plan of θ0, infeasible (L = inf).
+    best = routing_solver.best or routing_solver.evaluations[0]
     deployment, routing = results[best.thresholds]
     workloads, _ = stage_workloads(profile, models, best.thresholds, request.rate_rps)
     history = tuple((e.thresholds, e.latency_s, e.quality, routing_solver.score(e))

@@ -26,7 +26,8 @@ Owns:
   A shift gives the data to plan on (`Shift`): the window's rate and a `QualityProfile` of the shadowed rows
   that scored every model (they carry their texts' tokens and each model's score; None when fewer than
   `min_shadow`), which becomes the new `Baseline` once the plan is adopted (`adopt`). A row may lack a
-  model that could not run (a stage given no GPUs): it still counts for the others.
+  model: it counts for the others (the gateway and the simulator both drop a row whose stage could not run,
+  `gateway.cascade.core.shadow_needs`, so theirs are whole).
 - `rollout`: the steps from one deployment to another. Replicas in both stay and serve. One replica is
   reconfigured at a time: first whatever new replicas fit in idle GPUs (make before break), then each step
   drains one old replica and loads the new replicas its GPUs (with those already free) can hold. A model is
@@ -47,6 +48,8 @@ from scipy import stats
 
 from gateway.cascade.quality import Item, ItemScore, QualityProfile, QualityProfileError, prompt_tokens
 
+MAX_THRESHOLD = 100.0  # the gateway's thresholds stop at 100 (a 100 score is still accepted)
+SHADOW_CONCURRENCY = 8  # shadowed requests running at once per cascade; more are skipped (and counted)
 OBSERVED_CATEGORY = "observed"  # the category of a shadowed request's item (no MT-Bench category live)
 
 
@@ -94,13 +97,7 @@ class Baseline:
 
     @classmethod
     def of_profile(
-        cls,
-        profile: QualityProfile,
-        models: Sequence[str],
-        thresholds: Sequence[float],
-        rate_rps: float,
-        *,
-        sampled: bool = False,
+        cls, profile: QualityProfile, models: Sequence[str], thresholds: Sequence[float], rate_rps: float
     ) -> Baseline:
         """What a plan on `profile` expects: prompts as the first stage sees them, answers of the stage that
         answers each item under `thresholds`."""
@@ -110,7 +107,7 @@ class Baseline:
             profile.scores(models[stage])[i].answer_tokens for i, stage in enumerate(routing.answering_stage)
         )
         scores = {m: tuple(s.score for s in profile.scores(m)) for m in models}
-        return cls(rate_rps, prompts, answers, scores, sampled)
+        return cls(rate_rps, prompts, answers, scores)
 
 
 @dataclass(frozen=True)
@@ -278,6 +275,43 @@ def _profile(rows: Sequence[ShadowRow], models: Sequence[str]) -> QualityProfile
         return QualityProfile([r.item for r in rows], {m: [r.scores[m] for r in rows] for m in models})
     except QualityProfileError as exc:  # rows were checked on the way in; this is a bug, not input
         raise AssertionError(str(exc)) from None
+
+
+def adopted_baseline(
+    profile: QualityProfile,
+    models: Sequence[str],
+    thresholds: Sequence[float],
+    shift: Shift,
+    *,
+    shadowed: bool,
+    sample_size: int,
+) -> Baseline:
+    """What later windows are tested against once a plan made on `profile` at `shift.rate_rps` runs (the
+    gateway and the simulator adopt through this).
+
+    The rate and the scores are the plan's. The lengths are the engines' counts where they are known, so a
+    steady workload does not look shifted for ever: prompts are the window's full sample (the profile's are
+    ceil(bytes / 4) of the question, without a chat template); answers are the shadowed rows' under the new
+    thresholds when the plan was made on them (`shadowed`), else the window's full sample, else the
+    profile's."""
+    planned = Baseline.of_profile(profile, models, thresholds, shift.rate_rps)
+    full = len(shift.prompt_tokens) >= sample_size
+    prompts = shift.prompt_tokens if full else planned.prompt_tokens
+    answers = planned.answer_tokens if shadowed or not full else shift.answer_tokens
+    return Baseline(shift.rate_rps, tuple(prompts), tuple(answers), planned.scores, shadowed or full)
+
+
+def servable_thresholds(thresholds: Sequence[float]) -> tuple[tuple[float, ...], tuple[str, ...]]:
+    """A plan's thresholds as the gateway takes them: the routing search's 101 (escalate every request) is
+    served as 100, which escalates all but a perfect score; notes say where."""
+    out: list[float] = []
+    notes: list[str] = []
+    for stage, value in enumerate(thresholds):
+        served = min(max(float(value), 0.0), MAX_THRESHOLD)
+        if served != value:
+            notes.append(f"stage {stage}: the plan's threshold {value:g} is served as {served:g}")
+        out.append(served)
+    return tuple(out), tuple(notes)
 
 
 def shadow_item(index: int, questions: Sequence[str]) -> Item:

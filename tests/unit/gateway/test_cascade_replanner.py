@@ -14,20 +14,16 @@ from typing import Any
 import pytest
 from fake_engines import FakeEngine, ok_script, serving
 
-from gateway.cascade.core import CascadeLife, CascadeSpec, JudgeBreaker, Stage
+from gateway.cascade.core import CascadeLife, CascadeSpec, JudgeBreaker, Stage, shadow_needs
 from gateway.cascade.judge import Verdict
 from gateway.cascade.plan import CascadePlan, PlanRequest, plan_cascade
-from gateway.cascade.plan.replan import Shift
+from gateway.cascade.plan.replan import SHADOW_CONCURRENCY, Shift, adopted_baseline, servable_thresholds
 from gateway.cascade.quality import QualityProfile, mt_bench_profile
 from gateway.cascade.replanner import (
-    SHADOW_CONCURRENCY,
     CascadeReplanner,
     StageAnswer,
-    adopted_baseline,
     plan_summary,
     rollout_steps,
-    servable_thresholds,
-    shadow_needs,
     user_turns,
 )
 from gateway.config import CascadeConfig

@@ -117,3 +117,13 @@ def test_shape_profiles_resolve_by_name() -> None:
     for name in ("h100x2-llama3-70b", "h100x3-llama3-8b", "h100x4p5-llama3-8b", "h100-llama9", "nope"):
         with pytest.raises(UnknownProfileError, match="GPU\\[xTP\\[pPP\\]\\]-MODEL"):
             get_profile(name)
+
+
+def test_a_rate_nothing_keeps_up_with_gives_an_infeasible_plan(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(["cascade-plan", "--gpus", "h100:8", "--cascade", PAIR, "--rate", "200", "--q-min", "90",
+               "--output", str(out)])
+    assert rc == 1 and "keeps up with 200 req/s" in capsys.readouterr().err
+    plan = json.loads(out.read_text())
+    assert plan["feasible"] is False and plan["L"] is None and plan["J"] is None
