@@ -16,12 +16,17 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchyard.child_process import ChildProcess
+
+# What these functions watch and stop: ours (vfork-spawned) or asyncio's own process object.
+Child = ChildProcess | asyncio.subprocess.Process
+
 
 class AgentProcessError(RuntimeError):
     """An agent child could not be started: it exited, or did not serve in time."""
 
 
-async def wait_serving(address: str, proc: asyncio.subprocess.Process | None, timeout_s: float) -> None:
+async def wait_serving(address: str, proc: Child | None, timeout_s: float) -> None:
     """Until the agent at `address` answers health SERVING; `AgentProcessError` if `proc` exits or time runs
     out."""
     loop = asyncio.get_running_loop()
@@ -42,7 +47,7 @@ async def wait_serving(address: str, proc: asyncio.subprocess.Process | None, ti
             await asyncio.sleep(0.1)
 
 
-async def terminate(proc: asyncio.subprocess.Process, grace_s: float) -> int:
+async def terminate(proc: Child, grace_s: float) -> int:
     """SIGTERM, wait up to `grace_s`, then SIGKILL; always reaped. Returns the exit status."""
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):

@@ -23,6 +23,7 @@ from typing import Literal
 
 from engine_agent.processes import AgentProcessError, terminate, wait_serving
 from gateway.fleet.autoscale import CopySpec
+from switchyard.child_process import ChildProcess, spawn
 
 # An agent could not be started (it exited, or did not serve in time); the launcher's name for it.
 FleetError = AgentProcessError
@@ -121,7 +122,7 @@ class LocalFleet:
         self._log_level = agent_log_level
         self._start_timeout_s = start_timeout_s
         self._stop_grace_s = stop_grace_s
-        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.processes: dict[str, ChildProcess] = {}
 
     def start_timeout_s(self, spec: AgentSpec) -> float:
         if self._start_timeout_s is not None:
@@ -138,22 +139,26 @@ class LocalFleet:
             )
         )
 
-    async def spawn(self, spec: AgentSpec) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            self._python,
-            "-m",
-            "engine_agent",
-            *spec.backend_args(),
-            "--host",
-            spec.host,
-            "--port",
-            str(spec.port),
-            "--engine-id",
-            spec.engine_id,
-            *spec.extra_args,
-            "--log-level",
-            self._log_level,
-            stdin=asyncio.subprocess.DEVNULL,
+    async def spawn(self, spec: AgentSpec) -> ChildProcess:
+        # switchyard.child_process: vfork + exec, as a fork() of this gRPC process can crash the child
+        return spawn(
+            [
+                self._python,
+                "-X",
+                "faulthandler",  # a crashing agent leaves its threads' Python stacks in the log
+                "-m",
+                "engine_agent",
+                *spec.backend_args(),
+                "--host",
+                spec.host,
+                "--port",
+                str(spec.port),
+                "--engine-id",
+                spec.engine_id,
+                *spec.extra_args,
+                "--log-level",
+                self._log_level,
+            ]
         )
 
     async def add(self, specs: Sequence[AgentSpec]) -> None:
@@ -164,9 +169,12 @@ class LocalFleet:
                 self.processes[spec.engine_id] = await self.spawn(spec)
                 self.specs.append(spec)
                 started.append(spec)
-            await asyncio.gather(*(
-                wait_serving(s.address, self.processes[s.engine_id], self.start_timeout_s(s)) for s in specs
-            ))
+            await asyncio.gather(
+                *(
+                    wait_serving(s.address, self.processes[s.engine_id], self.start_timeout_s(s))
+                    for s in specs
+                )
+            )
         except BaseException:
             await self.remove([s.address for s in started], grace_s=self._stop_grace_s)
             raise
@@ -205,8 +213,15 @@ class LocalActuator:
 
     name = "local"
 
-    def __init__(self, fleet: LocalFleet, *, next_port: int, host: str = "127.0.0.1",
-                 agent_args: Sequence[str] = (), drain_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        fleet: LocalFleet,
+        *,
+        next_port: int,
+        host: str = "127.0.0.1",
+        agent_args: Sequence[str] = (),
+        drain_s: float = 600.0,
+    ) -> None:
         self._fleet = fleet
         self._next_port = next_port
         self._host = host
@@ -235,10 +250,22 @@ class LocalActuator:
 
         specs: list[AgentSpec] = []
         for profile, role in combo_engines(copy.combo, copy.model):
-            specs.append(AgentSpec(
-                f"engine-{self._next_id}", profile, self._free_port(), self._host,
-                extra_args=(*self._agent_args, "--combo", copy.label, *(("--role", role) if role else ()),
-                            "--drain-grace-s", f"{self._drain_s:g}")))
+            specs.append(
+                AgentSpec(
+                    f"engine-{self._next_id}",
+                    profile,
+                    self._free_port(),
+                    self._host,
+                    extra_args=(
+                        *self._agent_args,
+                        "--combo",
+                        copy.label,
+                        *(("--role", role) if role else ()),
+                        "--drain-grace-s",
+                        f"{self._drain_s:g}",
+                    ),
+                )
+            )
             self._next_id += 1
         await self._fleet.add(specs)
         return [s.address for s in specs]

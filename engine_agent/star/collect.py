@@ -31,6 +31,7 @@ import numpy as np
 
 from engine_agent.processes import AgentProcessError, terminate, wait_serving
 from engine_agent.star.shards import SHARD_SUFFIX
+from switchyard.child_process import ChildProcess, spawn
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
@@ -175,13 +176,12 @@ async def collect(requests: Sequence[ReplayRequest], options: CollectOptions,
     tag = uuid.uuid4().hex[:8]
     wire = [generate_request(r, f"{tag}-{i:05d}", options, rng) for i, r in enumerate(requests)]
     ports = [free_port() for _ in range(options.agents)]
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[ChildProcess] = []
     outcomes: Counter[str] = Counter()
     timeout_s = options.start_timeout_s or DEFAULT_START_TIMEOUT_S[options.backend]
     try:
         for i, port in enumerate(ports):
-            procs.append(await asyncio.create_subprocess_exec(
-                *_agent_command(options, i, port), stdin=asyncio.subprocess.DEVNULL))
+            procs.append(spawn(_agent_command(options, i, port)))  # vfork: see child_process
         addresses = [f"127.0.0.1:{port}" for port in ports]
         try:
             waits = (wait_serving(a, p, timeout_s) for a, p in zip(addresses, procs, strict=True))
