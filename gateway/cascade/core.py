@@ -21,7 +21,9 @@ the next stage (reason `below_threshold`). A failed verdict (timeout, refusal, 5
 out-of-range rating, skipped) applies `on_judge_failure`: `escalate` (reason `judge_<outcome>`) or `accept`. A
 buffered stage whose engine failed mid-stream is run again once, avoiding that engine (no byte of it reached
 the client); a stage no engine can run (its pool is empty, or the retry failed too) ends the request with the
-answer held from the stage before, marked `degraded`, or fails it when nothing is held (stage 0).
+answer held from the stage before, marked `degraded`; when nothing is held (the first stage, or every stage
+before it, could not run) the next stage runs instead (a plan may give the first model no replica, or a
+re-plan may be reloading it), and the request fails only when no stage could run.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    """Effect: no stage can answer (stage 0 could not run): the request fails with `message`."""
+    """Effect: no stage can answer (none could run): the request fails with `message`."""
 
     message: str
 
@@ -291,13 +293,17 @@ class CascadeLife:
         return self.on_stage_unavailable(message)
 
     def on_stage_unavailable(self, message: str) -> Effect:
-        """No engine could run the current stage: answer with the held stage before it (degraded), if any."""
+        """No engine could run the current stage: answer with the held answer of the stage before it
+        (degraded); with none held (no stage so far could run), run the next stage; fail at the last."""
         record = self.stages[self.current]
         record.decision, record.reason = "failed", message
-        if self.current == 0:
-            self.failed = True
-            return Fail(message)
-        return self._answer(self.current - 1, degraded=True)
+        held = self.current - 1
+        if held >= 0 and self.stages[held].decision != "failed":
+            return self._answer(held, degraded=True)
+        if not self.last:
+            return self._run(self.current + 1)
+        self.failed = True
+        return Fail(message)
 
     def _answer(self, index: int, *, degraded: bool = False) -> Answer:
         self.answered = Answer(index, degraded)

@@ -7,8 +7,9 @@ Owns: `CascadeReplanner`, one per cascade with `replan:` configured, fed by `gat
 - a shadowed request, once its client's answer is out, runs in a background task: every stage the cascade did
   not run for it (an ordinary dispatch of the same request to that model, buffered), the judge on every stage
   answer the cascade did not score, and the row of each model's score and answer length goes to the monitor.
-  A failed stage or verdict drops the row; more than `SHADOW_CONCURRENCY` at once are skipped. Shadow work is
-  never billed: it is in no client's usage, only in `switchyard_cascade_shadow_*`;
+  A model whose stage or verdict failed is left out of the row (it counts for the others: a plan may give
+  a model no replica); a row with no model is dropped; more than `SHADOW_CONCURRENCY` at once are skipped.
+  Shadow work is never billed: it is in no client's usage, only in `switchyard_cascade_shadow_*`;
 - a background task wakes when a window ends (`next_close_s`, on the injected clock) and closes it. On a
   `Shift` it re-runs Algorithm 1 (`plan_cascade`) in a worker thread, never on the event loop, on the shadowed
   rows' profile (or the profile of the last plan when too few), swaps the thresholds (`swap`: requests already
@@ -259,6 +260,7 @@ class CascadeReplanner:
                           texts: dict[int, str]) -> str:
         tokens = self._metrics.cascade_shadow_tokens
         scores: dict[str, ItemScore] = {}
+        missing = ""  # why the first model left out of the row is missing (its stage or verdict failed)
         needs = shadow_needs(stages, self.models)
         for index, (model, need) in enumerate(zip(self.models, needs, strict=True)):
             if need == "scored":
@@ -275,9 +277,10 @@ class CascadeReplanner:
                 )
                 try:
                     answer = await self._dispatch(stage_request)
-                except Exception as e:  # noqa: BLE001 (any failure of the stage drops the row, counted)
+                except Exception as e:  # noqa: BLE001 (any failure of the stage: the row goes on without it)
                     log.info("cascade %s shadow %d: stage %d (%s) failed: %s", self.name, n, index, model, e)
-                    return "stage_failed"
+                    missing = missing or "stage_failed"
+                    continue
                 tokens.labels(self.name, "prompt").inc(answer.prompt_tokens)
                 tokens.labels(self.name, "completion").inc(answer.completion_tokens)
                 text, length = answer.text, answer.completion_tokens
@@ -285,14 +288,18 @@ class CascadeReplanner:
                 verdict = await self._judge(request, text, model)
             except Exception as e:  # noqa: BLE001 (a judge that raises is a failed verdict)
                 log.info("cascade %s shadow %d: judge on %s raised: %s", self.name, n, model, e)
-                return "judge_failed"
+                missing = missing or "judge_failed"
+                continue
             tokens.labels(self.name, "judge").inc(verdict.prompt_tokens + verdict.completion_tokens)
             if verdict.outcome != "ok" or verdict.score is None:
-                return "judge_failed"
+                missing = missing or "judge_failed"
+                continue
             scores[model] = ItemScore(verdict.score, length)
+        if not scores:
+            return missing
         self.monitor.on_shadow(ShadowRow(shadow_item(n, user_turns(request)), scores))
         self._window["shadow_rows"] += 1
-        return "recorded"
+        return "partial" if missing else "recorded"
 
     # ---- windows and re-plans ------------------------------------------------------------------------------
 

@@ -431,8 +431,8 @@ class GatewayMetrics:
         )
         self.cascade_shadow_requests = Counter(
             "switchyard_cascade_shadow_requests_total",
-            "Shadowed requests by cascade and outcome (recorded, stage_failed, judge_failed, skipped: over "
-            "the concurrency bound, cancelled: at shutdown)",
+            "Shadowed requests by cascade and outcome (recorded; partial: a model left out; stage_failed, "
+            "judge_failed: no model scored; skipped: over the concurrency bound; cancelled: at shutdown)",
             ["cascade", "outcome"],
             registry=r,
         )

@@ -173,6 +173,10 @@ class SimReplan:
     l_max_s: float | None = None
     judge_latency_s: float = 0.27
     params: ReplanParams = field(default_factory=ReplanParams)
+    # What a shift re-runs: (the request, the profile to plan on) -> a plan (thresholds, gpus, shapes,
+    # feasible); None: Cascadia's Algorithm 1 (`plan_cascade`). A benchmark passes a baseline's planner so
+    # that it re-plans through the same monitor and rollout (`loadgen.simulate.cascade_replan.Planner`).
+    planner: Callable[..., Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.q_min is None and self.l_max_s is None:
@@ -325,7 +329,9 @@ class CascadeRun:
         self.shadow = {
             "requests": 0,
             "rows": 0,
-            "dropped": 0,
+            "partial": 0,  # rows missing a model whose stage no engine took
+            "unreached": 0,  # shadow dispatches no engine took
+            "dropped": 0,  # shadows that scored no model
             "skipped": 0,
             "dispatches": 0,
             "prompt_tokens": 0,
@@ -369,9 +375,9 @@ class CascadeRun:
     def _shadow(self, pending: _Pending, now_s: float) -> None:
         """Footnote 5, as the live gateway shadows (`gateway.cascade.replanner`): once the client's answer is
         out, each stage in turn keeps the cascade's verdict, has the judge score its held answer, or runs
-        (a dispatch) and is judged; the row of scores goes to the monitor, and a stage no engine takes drops
-        it. Shadow work loads the fleet but is nobody's outcome and is never billed. Its verdicts are drawn by
-        the judge's rule when needed (they do not queue on a pool judge)."""
+        (a dispatch) and is judged; the row of scores goes to the monitor without the models no engine took
+        (dropped only when none scored). Shadow work loads the fleet but is nobody's outcome and is never
+        billed. Its verdicts are drawn by the judge's rule when needed (they do not queue on a pool judge)."""
         if self.shadows_in_flight >= SHADOW_CONCURRENCY:  # as live: over the bound, skipped
             self.shadow["skipped"] += 1
             return
@@ -400,7 +406,12 @@ class CascadeRun:
             shadow.at += 1
         assert self.monitor is not None
         self.shadows_in_flight -= 1
+        if not shadow.scores:
+            self.shadow["dropped"] += 1
+            return
         self.shadow["rows"] += 1
+        if len(shadow.scores) < len(models):
+            self.shadow["partial"] += 1
         self.monitor.on_shadow(ShadowRow(self.sim.profile.items[pending.item], shadow.scores))
 
     def _shadow_verdict(self, shadow: _Shadow, stage: int, completion: int) -> None:
@@ -520,9 +531,11 @@ class CascadeRun:
         self._apply(pending, pending.life.on_stage_done(prompt, completion, now_s), now_s)
 
     def on_stage_failed(self, rid: str, error: str, now_s: float) -> None:
-        if self.shadow_of.pop(rid, None) is not None:  # the row is dropped, as live
-            self.shadows_in_flight -= 1
-            self.shadow["dropped"] += 1
+        shadow = self.shadow_of.pop(rid, None)
+        if shadow is not None:  # the row goes on without this model, as live
+            self.shadow["unreached"] += 1
+            shadow.at += 1
+            self._shadow_step(shadow, now_s)
             return
         judged = self.judge_of.pop(rid, None)
         if judged is not None:  # no engine took the judge request: a failed verdict (module doc)

@@ -5,8 +5,9 @@ Owns: `CascadeReplanner`, for a run whose `CascadeSim.replan` (`loadgen.simulate
 set: the runner's fleet-changes object (the interface of `loadgen.simulate.scaling.FleetChanges`: `next_s`,
 `horizon_s`, `on_arrival`, `run_due`, `on_left`, `billed`, `actions`).
 - Windows close at `WorkloadMonitor.next_close_s` (the cascade run feeds the monitor its arrivals, answers
-  and shadowed rows). A `Shift` re-runs `plan_cascade` on the shift's rate and shadowed rows (or the
-  profile the running plan was made on, when too few rows scored every model). The solve is timed on the
+  and shadowed rows). A `Shift` re-runs `plan_cascade` (or `SimReplan.planner`, a `Planner`) on the
+  shift's rate and shadowed rows (or the profile the running plan was made on, when too few rows scored
+  every model). The solve is timed on the
   wall clock the runner is given and lands that long after the window closed: requests go on under the
   running plan meanwhile (App. G). One re-plan at a time; a shift seen while one is rolling out is
   recorded and waits for the next window.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.cascade.plan import PlanRequest, plan_cascade
 from gateway.cascade.plan.replan import (
@@ -36,6 +37,7 @@ from gateway.cascade.plan.replan import (
     rollout,
     servable_thresholds,
 )
+from gateway.cascade.quality import QualityProfile
 from loadgen.simulate.cascade import CascadeRun, SimReplan
 from loadgen.simulate.fleet import SimNode
 from loadgen.simulate.spec import SimOptions
@@ -44,6 +46,23 @@ from switchyard.profiles import Profile, get_profile, profile_name
 RELOAD_FIXED_S = 2.0  # App. G: reconfiguration takes about 2-20 s
 RELOAD_MAX_S = 20.0
 LOAD_BYTES_PER_S_PER_GPU = 4e9  # weights from local storage into HBM, per GPU (an assumption, documented)
+
+
+class PlannedCascade(Protocol):
+    """What a re-plan must give (`gateway.cascade.plan.CascadePlan` is one): per stage its threshold, GPUs
+    and replica groups (tp, pp, count), and whether it keeps up at all."""
+
+    @property
+    def thresholds(self) -> tuple[float, ...]: ...
+    @property
+    def gpus(self) -> tuple[int, ...]: ...
+    @property
+    def shapes(self) -> tuple[tuple[tuple[int, int, int], ...], ...]: ...
+    @property
+    def feasible(self) -> bool: ...
+
+
+Planner = Callable[[PlanRequest, QualityProfile], PlannedCascade]
 
 
 def reload_s(profile: Profile) -> float:
@@ -166,8 +185,9 @@ class CascadeReplanner:
             l_max_s=replan.l_max_s,
             judge_latency_s=replan.judge_latency_s,
         )
+        planner: Planner = replan.planner or plan_cascade
         started = self._timer()
-        plan = plan_cascade(request, profile)
+        plan = planner(request, profile)
         solver_s = self._timer() - started
         self._busy = True
         self._row(

@@ -194,7 +194,9 @@ async def test_judge_failures_escalate_with_the_reason(
             assert any(f'reason="{reason}"' in line for line in escalations), escalations
 
 
-async def test_accept_on_judge_failure_and_an_empty_next_pool(agents: tuple[Agent, Agent]) -> None:
+async def test_accept_on_judge_failure_an_empty_next_pool_and_an_empty_first_pool(
+    agents: tuple[Agent, Agent],
+) -> None:
     async with stub(malformed_rate=1.0) as (bad_url, _), stub() as (judge_url, _):
         cascades = [
             cascade("lenient", bad_url, on_judge_failure="accept"),
@@ -202,6 +204,11 @@ async def test_accept_on_judge_failure_and_an_empty_next_pool(agents: tuple[Agen
                 "nowhere",
                 judge_url,
                 stages=[{"model": "llama3-8b", "threshold": 100}, {"model": "qwen2.5-14b"}],
+            ),
+            cascade(
+                "headless",
+                judge_url,
+                stages=[{"model": "qwen2.5-14b", "threshold": 90}, {"model": "llama3-70b"}],
             ),
         ]
         config = GatewayConfig(port=0, engines=tuple(a.target for a in agents), cascades=cascades)  # type: ignore[arg-type]
@@ -214,6 +221,13 @@ async def test_accept_on_judge_failure_and_an_empty_next_pool(agents: tuple[Agen
             assert headers["x-switchyard-cascade-degraded"] == "true"
             assert body["usage"]["cascade"]["degraded"] is True
             assert body["choices"][0]["message"]["content"]
+            # No engine serves the first stage and nothing is held: the request starts on the next stage.
+            headers, body = await ask(url, "headless", ESCALATED)
+            assert headers["x-switchyard-cascade-model"] == "llama3-70b"
+            assert "x-switchyard-cascade-degraded" not in headers
+            stages = body["usage"]["cascade"]["stages"]
+            assert [s["decision"] for s in stages] == ["failed", "answered"]
+            assert body["usage"]["completion_tokens"] == stages[1]["completion_tokens"] == MAX_TOKENS
 
 
 async def test_refusals_and_a_client_that_leaves_during_the_judge(agents: tuple[Agent, Agent]) -> None:

@@ -26,8 +26,9 @@ Owns:
   A shift gives the data to plan on (`Shift`): the window's rate and a `QualityProfile` of the shadowed rows
   that scored every model (they carry their texts' tokens and each model's score; None when fewer than
   `min_shadow`), which becomes the new `Baseline` once the plan is adopted (`adopt`). A row may lack a
-  model: it counts for the others (the gateway and the simulator both drop a row whose stage could not run,
-  `gateway.cascade.core.shadow_needs`, so theirs are whole).
+  model: it counts for the others (the gateway and the simulator leave out a model whose stage could not
+  run or whose verdict failed, e.g. a model the running plan gives no replica, so its rows still test the
+  models that ran; such a shift re-plans on the previous profile when too few rows are whole).
 - `rollout`: the steps from one deployment to another. Replicas in both stay and serve. One replica is
   reconfigured at a time: first whatever new replicas fit in idle GPUs (make before break), then each step
   drains one old replica and loads the new replicas its GPUs (with those already free) can hold. A model is

@@ -106,10 +106,23 @@ def test_a_broken_stage_runs_again_elsewhere_once_then_the_held_answer_goes_out_
     assert c.usage_of()["cascade"]["degraded"] is True
 
 
-def test_an_empty_first_pool_fails_and_an_empty_next_pool_degrades() -> None:
+def test_an_empty_first_pool_starts_on_the_next_and_an_empty_next_pool_degrades() -> None:
     first = life()
     first.start()
-    assert first.on_stage_unavailable("no engine") == Fail("no engine")
+    assert first.on_stage_unavailable("no engine for model 'small'") == RunStage(1, "mid")
+    assert first.on_stage_unavailable("no engine for model 'mid'") == RunStage(2, "large")
+    assert first.on_stage_unavailable("no engine for model 'large'") == Fail("no engine for model 'large'")
+    assert first.failed
+    assert [r.decision for r in first.stages] == ["failed", "failed", "failed"]
+    skipped = life()
+    skipped.start()
+    skipped.on_stage_unavailable("no engine for model 'small'")
+    assert skipped.on_stage_done(5, 3, now_s=0.0) == AskJudge(1)  # the middle stage is judged as ever
+    skipped.on_verdict("ok", 10.0, now_s=0.1)
+    assert skipped.on_stage_unavailable("no engine for model 'large'") == Answer(1, degraded=True)
+    assert skipped.usage_of()["cascade"]["stages"][0] == {
+        "model": "small", "prompt_tokens": 0, "completion_tokens": 0, "decision": "failed",
+        "reason": "no engine for model 'small'"}
     nxt = life()
     nxt.start()
     nxt.on_stage_done(1, 1, now_s=0.0)

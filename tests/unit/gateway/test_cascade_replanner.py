@@ -152,21 +152,39 @@ async def test_a_request_not_shadowed_feeds_only_the_sample(plan: Any) -> None:
     assert h.replanner.view()["window"]["answered"] == 1
 
 
-@pytest.mark.parametrize(("fail", "verdict", "outcome"), [
-    (True, "ok", "stage_failed"), (False, "timeout", "judge_failed"), (False, "raise", "judge_failed"),
-])
-async def test_a_failed_stage_or_verdict_drops_the_row(
-    plan: Any, fail: bool, verdict: str, outcome: str
+@pytest.mark.parametrize(("fail", "verdict"), [(True, "ok"), (False, "timeout"), (False, "raise")])
+async def test_a_failed_stage_or_verdict_leaves_its_model_out_of_the_row(
+    plan: Any, fail: bool, verdict: str
 ) -> None:
+    """The model the cascade scored stays in the row; the one whose stage or verdict failed is left out (a
+    plan that gives the large model no replica still has its small model's scores tested)."""
     h = Harness(plan[0])
     h.fail_dispatch, h.verdict = fail, verdict
     h.replanner.on_arrival()
     h.replanner.on_answer(REQUEST, accepted_life(), {0: "a"})
     await h.settle()
-    assert h.replanner.shadow_outcomes == {outcome: 1}
-    assert h.replanner.view()["window"]["shadow_rows"] == 0
-    metric = h.metrics.cascade_shadow_requests.labels("c", outcome)._value.get()  # noqa: SLF001
+    assert h.replanner.shadow_outcomes == {"partial": 1}
+    assert h.replanner.view()["window"]["shadow_rows"] == 1
+    metric = h.metrics.cascade_shadow_requests.labels("c", "partial")._value.get()  # noqa: SLF001
     assert metric == 1
+
+
+@pytest.mark.parametrize("verdict", ["timeout", "raise"])
+async def test_a_row_that_scores_no_model_is_dropped(plan: Any, verdict: str) -> None:
+    """Both answers held, neither judged (the cascade's verdict failed, the last stage is never judged): a
+    failing judge leaves nothing to record."""
+    life = CascadeLife(CascadeSpec("c", (Stage(MODELS[0], 90.0), Stage(MODELS[1], None))), JudgeBreaker())
+    life.start()
+    life.on_stage_done(7, 4, 0.0)
+    life.on_verdict("timeout", None, now_s=0.0)
+    life.on_stage_done(7, 6, 0.0)
+    h = Harness(plan[0])
+    h.verdict = verdict
+    h.replanner.on_arrival()
+    h.replanner.on_answer(REQUEST, life, {0: "a", 1: "b"})
+    await h.settle()
+    assert h.replanner.shadow_outcomes == {"judge_failed": 1}
+    assert h.replanner.view()["window"]["shadow_rows"] == 0
 
 
 async def test_shadows_over_the_bound_are_skipped_and_close_cancels_the_rest(plan: Any) -> None:

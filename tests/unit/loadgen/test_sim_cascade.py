@@ -25,6 +25,7 @@ def run(
     streaming: str = "final_live",
     subset: str = "mt-bench",
     threshold: int = 90,
+    fleet: str = FLEET,
 ):  # type: ignore[no-untyped-def]
     profile = mt_bench_profile()
     spec = parse_cascade(f"c=llama3-8b:{threshold},llama3-70b")
@@ -32,7 +33,7 @@ def run(
     sim = CascadeSim(spec, profile, judge or SimJudge(), streaming=streaming)  # type: ignore[arg-type]
     result = simulate(
         schedule(requests, ArrivalSpec(rate_per_s=2.0, seed=3)),
-        parse_engines(FLEET),
+        parse_engines(fleet),
         SimOptions(cascade=sim, seed=3),
     )
     return requests, result
@@ -53,6 +54,17 @@ def test_stage_shares_and_quality_are_the_profiles_over_the_drawn_items() -> Non
     # Each stage is an ordinary dispatch: the large model served exactly the escalated requests.
     large = sum(v["requests"] for k, v in result.per_engine.items() if "70b" in k)
     assert large == sum(escalated)
+
+
+def test_a_first_stage_without_engines_starts_requests_on_the_next() -> None:
+    """The live rule (`CascadeLife.on_stage_unavailable`): nothing is held, so the next stage runs; every
+    request is answered by the large model, none fails."""
+    requests, result = run(30, fleet="h100x4-llama3-70b:1")
+    assert all(o.success for o in result.outcomes)
+    assert result.cascade is not None
+    assert result.cascade["answer_share"] == [0.0, 1.0]
+    assert result.cascade["degraded_share"] == 0.0
+    assert sum(v["requests"] for v in result.per_engine.values()) == len(requests)
 
 
 def test_an_accepted_buffered_answer_arrives_whole_after_the_judge() -> None:
