@@ -19,6 +19,8 @@
       combo allocation
   switchyard profile-combos --model M --workload DATASET --slo ...   goodput per combo, measured in the
       simulator, for `plan --goodput-table` (all three in `launcher.planning_cli`)
+  switchyard plan-stages --instances E --max-len L (--dataset D | --requests PATH) ...   CascadeInfer's
+      length stages (`launcher.stages_cli`)
 
 Owns: sub-command dispatch, the `up` orchestration and its banner, one-line errors (exit 2 for usage, 1 for a
 fleet that failed to start).
@@ -69,7 +71,7 @@ from launcher.local_fleet import (
 DEFAULT_PROFILE = "h100-llama3-8b"
 # Engines per backend when --engines is not given: vLLM on a CPU uses every core, so one per machine.
 DEFAULT_ENGINES: dict[Backend, int] = {"sim": 4, "vllm": 1}
-USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor,gpus,plan,profile-combos} ...
+USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor,gpus,plan,profile-combos,plan-stages} ...
 
   up          start engine agents (simulated, or vLLM with --backend vllm --model DIR) and a gateway
   tiny-model  write a tiny random-weight Llama model directory that vLLM can serve on a CPU
@@ -79,6 +81,7 @@ USAGE = """usage: switchyard {up,tiny-model,gateway,agent,predictor,gpus,plan,pr
   gpus        the GPU catalogue: datasheet figures, prices and CAUCHY Table 1's derived columns
   plan        CAUCHY's GPU-combo allocation for a model, workload, SLO and goodput or budget (see: --help)
   profile-combos  each GPU combo's goodput at an SLO, measured in the simulator (plan --goodput-table)
+  plan-stages  CascadeInfer's length-aware stage partition of E instances for a workload (see: --help)
 """
 
 
@@ -512,9 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from launcher.planning_cli import plan  # noqa: PLC0415
 
         return plan(rest)
+    if command == "plan-stages":
+        from launcher.stages_cli import plan_stages_command  # noqa: PLC0415
+
+        return plan_stages_command(rest)
     print(
         f"switchyard: error: unknown command {command!r} "
-        "(choose from up, tiny-model, gateway, agent, predictor, gpus, plan, profile-combos)",
+        "(choose from up, tiny-model, gateway, agent, predictor, gpus, plan, profile-combos, plan-stages)",
         file=sys.stderr,
     )
     return 2

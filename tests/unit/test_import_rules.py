@@ -64,13 +64,16 @@ PURE_CORES = (
                                           "gateway.dispatch.retry", "gateway.cluster.health", *ROLES)),
     # Planners and reschedulers (CAUCHY, Cascadia, STAR, CascadeInfer) read snapshots and the engine model.
     PureCore("gateway/estimators", (*GATEWAY_DOMAIN, "gateway.estimators")),
-    PureCore("gateway/planning", (*GATEWAY_DOMAIN, "gateway.planning", "gateway.estimators", *CATALOGUE)),
+    PureCore("gateway/planning", (*GATEWAY_DOMAIN, "gateway.planning", "gateway.estimators", *CATALOGUE,
+                                  "switchyard.qoe")),
     PureCore("gateway/cascade/plan", (*GATEWAY_DOMAIN, "gateway.cascade.plan", "gateway.cascade.quality",
                                       "gateway.planning", *CATALOGUE)),
     PureCore("gateway/rescheduling", (*GATEWAY_DOMAIN, "gateway.rescheduling", "gateway.planning",
-                                      "gateway.estimators", "gateway.policies", "switchyard.star_load")),
+                                      "gateway.estimators", "gateway.policies", "switchyard.star_load",
+                                      "switchyard.qoe")),
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
-    PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE)),
+    PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE,
+                                  "switchyard.qoe")),
     # Cascades (Cascadia): the quality profiles, the judge's prompts and parser, and one request's decisions.
     PureCore("gateway/cascade/quality.py", ()),
     PureCore("gateway/cascade/judge_prompt.py", ("gateway.cascade.quality",)),
@@ -79,6 +82,7 @@ PURE_CORES = (
     PureCore("switchyard/profiles.py", ("switchyard.hardware",)),
     PureCore("switchyard/perf_model.py", ("switchyard.hardware", "switchyard.profiles")),
     PureCore("switchyard/roles.py", ()),
+    PureCore("switchyard/qoe.py", ()),
 )
 
 
