@@ -137,6 +137,7 @@ from loadgen.simulate.cascade import (  # noqa: E402
     SimReplan,
     cascade_requests,
 )
+from loadgen.simulate.cascade_replan import Planner  # noqa: E402
 from switchyard.hardware import GPUS  # noqa: E402
 from switchyard.hardware import MODELS as MODEL_SHAPES  # noqa: E402
 from switchyard.profiles import profile_name  # noqa: E402
@@ -616,7 +617,7 @@ class BaselinePlan:
     feasible: bool = True
 
 
-def cascadeserve_planner(est: StageLatencyModel) -> Any:
+def cascadeserve_planner(est: StageLatencyModel) -> Planner:
     """CascadeServe's planning as a re-planner's `Planner`: quality-only thresholds and GPUs in proportion
     to load on the shift's rows and rate. No thresholds reaching q_min: infeasible (it keeps serving)."""
 

@@ -65,7 +65,7 @@ THRESHOLDS_HEADER = "x-switchyard-cascade-thresholds"  # the thresholds the requ
 
 
 class CascadeUnavailable(Exception):
-    """Stage 0 could not run: no engine serves the cascade's first model."""
+    """No stage could run: no engine serves any of the cascade's models (nothing held to answer with)."""
 
 
 def spec_of(config: CascadeConfig) -> CascadeSpec:
@@ -74,17 +74,34 @@ def spec_of(config: CascadeConfig) -> CascadeSpec:
     )
 
 
-class StageBuffer:
-    """An `EventSink` that keeps a buffered stage's events (one choice) and its text."""
+class _StageTokens:
+    """A stage stream's exact token counts, as its engine reports them (`Admitted`, then `Finished`)."""
 
-    __slots__ = ("events", "texts", "prompt_tokens", "completion_tokens", "finished", "_touch")
+    __slots__ = ("prompt_tokens", "completion_tokens", "finished")
 
-    def __init__(self, touch: Callable[[], None]) -> None:
-        self.events: list[EngineEvent] = []
-        self.texts: list[str] = []
+    def __init__(self) -> None:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finished = False
+
+    def _note(self, event: EngineEvent) -> None:
+        if isinstance(event, Admitted):
+            self.prompt_tokens = event.prompt_tokens
+        elif isinstance(event, Finished):
+            self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
+            self.completion_tokens = event.completion_tokens
+            self.finished = True
+
+
+class StageBuffer(_StageTokens):
+    """An `EventSink` that keeps a buffered stage's events (one choice) and its text."""
+
+    __slots__ = ("events", "texts", "_touch")
+
+    def __init__(self, touch: Callable[[], None]) -> None:
+        super().__init__()
+        self.events: list[EngineEvent] = []
+        self.texts: list[str] = []
         self._touch = touch
 
     async def on_event(self, index: int, event: EngineEvent) -> None:
@@ -92,40 +109,30 @@ class StageBuffer:
         self.events.append(event)
         if isinstance(event, Delta):
             self.texts.append(event.text)
-        elif isinstance(event, Admitted):
-            self.prompt_tokens = event.prompt_tokens
-        elif isinstance(event, Finished):
-            self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
-            self.completion_tokens = event.completion_tokens
-            self.finished = True
+        self._note(event)
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
 
 
-class _Counting:
+class _Counting(_StageTokens):
     """The client's sink, noting whether any event reached it (after that, no stage can be taken back); with
     `texts` (a shadowed request) it keeps the text too, for the judge after the answer."""
 
-    __slots__ = ("sink", "events", "prompt_tokens", "completion_tokens", "texts")
+    __slots__ = ("sink", "events", "texts")
 
     def __init__(self, sink: EventSink, texts: list[str] | None = None) -> None:
+        super().__init__()
         self.sink = sink
         self.events = 0
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
         self.texts = texts
 
     async def on_event(self, index: int, event: EngineEvent) -> None:
         self.events += 1
         if self.texts is not None and isinstance(event, Delta):
             self.texts.append(event.text)
-        if isinstance(event, Admitted):
-            self.prompt_tokens = event.prompt_tokens
-        elif isinstance(event, Finished):
-            self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
-            self.completion_tokens = event.completion_tokens
+        self._note(event)
         await self.sink.on_event(index, event)
 
 
@@ -238,8 +245,8 @@ class CascadeRunner:
         touch: Callable[[], None],
     ) -> CascadeLife:
         """Serve `request` (one choice, addressed to cascade `name`) into `sink`. Raises what
-        `Dispatcher.run` raises for a stage no held answer can stand in for, `CascadeUnavailable` when stage
-        0 cannot run; returns the life (its `usage_of` is the response's usage)."""
+        `Dispatcher.run` raises for a stage no held answer can stand in for, `CascadeUnavailable` when no
+        stage can run; returns the life (its `usage_of` is the response's usage)."""
         spec = self.specs[name]
         config = self.configs[name]
         life = CascadeLife(spec, self.breakers[name])

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,3 +124,17 @@ def story_request(max_tokens: int, seed: int, model: str = "llama3-8b") -> dict[
     generator across migrations and hand-offs, so its text is reproducible byte for byte)."""
     return {"model": model, "messages": [{"role": "user", "content": "tell me a long story " * 20}],
             "max_tokens": max_tokens, "seed": seed, "temperature": 1.0}
+
+
+@contextlib.contextmanager
+def cascade_pools(tmp: Path) -> Iterator[tuple[Agent, Agent]]:
+    """A cascade's two pools: an h100-llama3-8b and an h100x4-llama3-70b agent (state every 20 ms); both
+    are stopped, and must exit cleanly, when the block ends."""
+    small = Agent.start(tmp, "--state-interval-ms", "20", profile="h100-llama3-8b")
+    large = Agent.start(tmp, "--state-interval-ms", "20", profile="h100x4-llama3-70b")
+    try:
+        yield small, large
+    finally:
+        for agent in (small, large):
+            agent.proc.send_signal(signal.SIGCONT)
+            assert agent.terminate() == 0, agent.log()

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
-from agent_process import Agent, free_port
+from agent_process import Agent, cascade_pools, free_port
 from aiohttp import web
 from openai import AsyncOpenAI
 
@@ -34,15 +33,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agent]]:
-    tmp = tmp_path_factory.mktemp("gateway-cascade")
-    small = Agent.start(tmp, "--state-interval-ms", "20", profile="h100-llama3-8b")
-    large = Agent.start(tmp, "--state-interval-ms", "20", profile="h100x4-llama3-70b")
-    try:
-        yield small, large
-    finally:
-        for agent in (small, large):
-            agent.proc.send_signal(signal.SIGCONT)
-            assert agent.terminate() == 0, agent.log()
+    with cascade_pools(tmp_path_factory.mktemp("gateway-cascade")) as pools:
+        yield pools
 
 
 @contextlib.asynccontextmanager

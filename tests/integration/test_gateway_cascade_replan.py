@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -15,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agent_process import Agent
+from agent_process import Agent, cascade_pools
 from scipy import stats
 from test_gateway_cascade import ACCEPTED, ESCALATED, MAX_TOKENS, PROFILE, TURN_ONE, WEAK, metric_lines, stub
 
@@ -35,15 +34,8 @@ MODELS = ("llama3-8b", "llama3-70b")
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agent]]:
-    tmp = tmp_path_factory.mktemp("gateway-cascade-replan")
-    small = Agent.start(tmp, "--state-interval-ms", "20", profile="h100-llama3-8b")
-    large = Agent.start(tmp, "--state-interval-ms", "20", profile="h100x4-llama3-70b")
-    try:
-        yield small, large
-    finally:
-        for agent in (small, large):
-            agent.proc.send_signal(signal.SIGCONT)
-            assert agent.terminate() == 0, agent.log()
+    with cascade_pools(tmp_path_factory.mktemp("gateway-cascade-replan")) as pools:
+        yield pools
 
 
 class CountingClient(GrpcEngineClient):
