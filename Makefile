@@ -34,7 +34,8 @@ proto: setup
 MYPY_STRICT_PATHS := gateway/domain.py gateway/policies gateway/cluster/state.py gateway/cluster/health.py \
 	gateway/dispatch/life.py gateway/dispatch/retry.py gateway/access gateway/admission/core.py \
 	gateway/dispatch/features.py engine_agent/domain.py engine_agent/sim engine_agent/lens gateway/rescheduling gateway/planning gateway/cascade/plan switchyard/hardware.py \
-	gateway/cascade/core.py gateway/cascade/quality.py gateway/cascade/judge_prompt.py switchyard/qoe.py
+	gateway/cascade/core.py gateway/cascade/quality.py gateway/cascade/judge_prompt.py switchyard/qoe.py \
+	engine_agent/qoe_tracker.py engine_agent/transfer_rate.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -2,7 +2,7 @@
 
 Owns: token-id requests (`BackendRequest`, `SamplingSpec`), the events of a request's stream (`TokenEvent`,
 `FinishEvent`, `MigratedEvent`) with usage and timings, migration tickets and figures, hidden-state samples,
-and the engine's static facts and dynamic state (`EngineStatic`, `EngineStats`, `LensFigures`).
+and the engine's static facts and dynamic state (`EngineStatic`, `EngineStats`, `LensFigures`, `QoEFigures`).
 Must not: import anything of the agent's (backends, the simulated GPU, LENS and the service all import
 this, so it stays at the bottom), know gRPC or protobuf, or read clocks. Times are seconds (floats).
 """
@@ -192,6 +192,15 @@ class LensFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class QoEFigures:
+    """CascadeInfer's QoE model (Eq. 1) as this engine fitted it online (`engine_agent.qoe_tracker`)."""
+
+    d: tuple[float, float, float, float, float]  # D_0..D_4 for F = (1, n, ΣI, ΣI², ΣL); Σ D_k F_k: s / token
+    samples: int  # finished requests in the fitted window
+    mean_relative_error: float  # mean |predicted - measured| / measured over those requests
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """One reading of an engine's dynamic state, taken at `timestamp_s` on the engine's clock."""
 
@@ -209,3 +218,7 @@ class EngineStats:
     last_iteration_s: float
     iterations_total: int
     lens: LensFigures = field(default_factory=LensFigures)
+    qoe: QoEFigures | None = None  # None: no fit yet (too few finished requests)
+    # Measured KV pull throughput of migrated-in requests (an exponentially weighted mean, bytes per second);
+    # 0: no pull measured yet.
+    transfer_bytes_per_s: float = 0.0

@@ -3,7 +3,8 @@
 Owns: a `GenerateRequest` into a `BackendRequest` (tokenizing the prompt: ids, text or chat template, and
 validating it and the output budget against the context limit: `ValueError` with the client-facing message),
 the stream's `delta` / `finished` events, the `EngineState` pushed by WatchState (with a STAR round's
-predictions and future load when the service passes one), GetInfo's `EngineInfo`,
+predictions and future load when the service passes one; the QoE fit, when there is one, and the measured KV
+pull throughput in every push), GetInfo's `EngineInfo`,
 the wire's "0 = not given" fields into None and back (target output tokens, SLOs, the WatchState interval,
 the hidden-state interval, the ticket's cut time) and milliseconds into seconds, and the wire ticket
 (`ticket_to_proto`: the domain ticket plus the original request, no prompt; `ticket_from_proto`:
@@ -160,7 +161,8 @@ def engine_state(
 ) -> pb.EngineState:
     """The WatchState push: the backend's stats, `seq`, and the service's own flags on top (ready only once
     the backend has started, and not while draining); with `star` (a push that follows a new STAR round), the
-    round's `predictions` and `future_load` (otherwise both stay empty / unset)."""
+    round's `predictions` and `future_load` (otherwise both stay empty / unset). `qoe` is set once the backend
+    has a fit (CascadeInfer's online D), unset before."""
     lens = stats.lens
     state = pb.EngineState(
         identity=identity,
@@ -186,7 +188,14 @@ def engine_state(
             prediction_error_ratio=lens.prediction_error_ratio,
             slo_risk=lens.slo_risk,
         ),
+        transfer_bytes_per_s=stats.transfer_bytes_per_s,
     )
+    qoe = stats.qoe
+    if qoe is not None:
+        fit = state.qoe
+        fit.d.extend(qoe.d)
+        fit.samples = qoe.samples
+        fit.mean_relative_error = qoe.mean_relative_error
     if star is not None:
         add = state.predictions.add  # in place: half the time of building messages and extending (~130 us
         for p in star.predictions:  # for 256 requests)

@@ -99,15 +99,16 @@ def build_argparser(prog: str = "python -m gateway") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reschedule",
-        choices=["none", "star", "star-nopred"],
+        choices=["none", "star", "star-nopred", "length_stages"],
         help="move running requests between engines: STAR with length predictions, STAR on current load, "
-        "or none (default)",
+        "CascadeInfer's length stages (with --policy length_stages), or none (default)",
     )
     p.add_argument(
         "--reschedule-param",
         action="append",
         metavar="KEY=VALUE",
-        help="rescheduler parameter (e.g. theta=0.1, horizon=32); repeatable",
+        help="rescheduler parameter (STAR: theta=0.1, horizon=32; length_stages: layout=dp, refine=qoe, "
+        "balance=bidask, plan=PATH, ...); repeatable",
     )
     p.add_argument(
         "--enable-admin",

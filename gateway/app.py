@@ -17,10 +17,12 @@ import asyncio
 import contextlib
 import functools
 import gc
+import json
 import logging
 import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -37,11 +39,11 @@ from gateway.cluster.health import OutlierParams
 from gateway.cluster.store import ClusterStore
 from gateway.config import ConfigError, GatewayConfig, load_plan_document, log_effective_config
 from gateway.dispatch.dispatcher import Dispatcher
-from gateway.dispatch.mover import MoveParams, Mover, Proposal, Proposer, RescheduleLoop
+from gateway.dispatch.mover import MoveParams, Mover, RescheduleLoop, Rescheduler
 from gateway.dispatch.policy_set import PolicySet
 from gateway.dispatch.retry import RetryBudget, RetryParams
 from gateway.dispatch.stall import StallWatch
-from gateway.domain import ClusterSnapshot, EngineId
+from gateway.domain import EngineId, StageLayout
 from gateway.engines.base import EngineClient
 from gateway.engines.grpc_client import GrpcEngineClient
 from gateway.engines.grpc_link import load_engine_link
@@ -53,8 +55,14 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.siblings import SiblingScrape
 from gateway.planning.plan_file import parse_plan
 from gateway.policies.registry import POLICY_NAMES, make_policy
-from gateway.rescheduling.star import StarParams
-from gateway.rescheduling.star import propose as star_propose
+from gateway.rescheduling.length_stages import (
+    MAX_MOVES_PER_REQUEST,
+    LengthStages,
+    LengthStagesParams,
+    StagesConfigError,
+    StagesPlanFile,
+)
+from gateway.rescheduling.star import StarParams, StarRescheduler
 from gateway.workers.spec import WORKER_HEADER, WorkerSpec
 from switchyard.clock import Clock, MonotonicClock
 
@@ -172,16 +180,17 @@ def build_app(
     app[HANDLERS_KEY] = handlers
     handlers.add_routes(app)
     rs = config.reschedule
-    mover = Mover(
-        store,
-        clock,
-        metrics,
-        MoveParams(rs.max_migrations_per_request, rs.request_cooldown_s, rs.engine_cooldown_s),
-    )
+    rescheduler = _rescheduler(rs.policy, rs.params, rs.interval_s) if rs.policy != "none" else None
+    if isinstance(rescheduler, LengthStages):  # it paces its own transfers (RescheduleConfig.policy)
+        move_params = MoveParams(MAX_MOVES_PER_REQUEST, 0.0, 0.0)
+    else:
+        move_params = MoveParams(rs.max_migrations_per_request, rs.request_cooldown_s, rs.engine_cooldown_s)
+    mover = Mover(store, clock, metrics, move_params)
     app[MOVER_KEY] = mover
-    if rs.policy != "none":
+    if rescheduler is not None:
         reschedule = RescheduleLoop(
-            mover, store.snapshot, _star_proposer(rs.policy, rs.params), rs.interval_s, metrics
+            mover, store.snapshot, rescheduler, rs.interval_s, metrics, clock,
+            publish=functools.partial(_publish_stages, store, metrics),
         )
         app.cleanup_ctx.append(_background_ctx(reschedule.run, "rescheduler"))
     if config.enable_admin:
@@ -256,19 +265,41 @@ def _closing_ctx(close: Callable[[], Awaitable[None]]) -> Callable[[web.Applicat
     return ctx
 
 
-def _star_proposer(policy: str, params: Mapping[str, float | int | bool]) -> Proposer:
-    """STAR's Algorithm 1 (`gateway.rescheduling.star`) as the reschedule loop's proposer."""
+def _rescheduler(
+    policy: str, params: Mapping[str, float | int | bool | str], interval_s: float
+) -> Rescheduler:
+    """STAR's Algorithm 1 (`gateway.rescheduling.star`) or CascadeInfer's stages
+    (`gateway.rescheduling.length_stages`; `plan=PATH` read here), as the reschedule loop's rescheduler;
+    `ConfigError` naming the bad key."""
+    if policy == "length_stages":
+        try:
+            stages = LengthStagesParams.from_mapping({"interval_s": interval_s, **params})
+            plan = None
+            if stages.plan:
+                try:
+                    doc = json.loads(Path(stages.plan).read_text(encoding="utf-8"))
+                except (OSError, ValueError) as e:
+                    raise StagesConfigError(f"plan: cannot read {stages.plan}: {e}") from None
+                plan = StagesPlanFile.parse(doc, "plan")
+        except StagesConfigError as e:
+            raise ConfigError(f"reschedule.params: {e}") from e
+        return LengthStages(stages, plan=plan, rand=random.random)
     try:
         star = StarParams(**{**params, "use_prediction": policy == "star"})  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reschedule.params: {e}") from e
+    return StarRescheduler(star)
 
-    def propose(
-        snapshot: ClusterSnapshot, model: str, exclude: frozenset[str], busy: frozenset[str]
-    ) -> Proposal | None:
-        return star_propose(snapshot, star, model=model, exclude_requests=exclude, busy_engines=busy)
 
-    return propose
+def _publish_stages(store: ClusterStore, metrics: GatewayMetrics, layouts: Mapping[str, StageLayout]) -> None:
+    """The rescheduler's stage layouts into the snapshots (the policy's view) and the stage gauges."""
+    store.publish_stages(layouts)
+    for layout in layouts.values():
+        for index, stage in enumerate(layout.stages):
+            for engine, bound in zip(stage.engines, stage.bounds or (stage.hi,) * len(stage.engines),
+                                     strict=True):
+                metrics.engine_stage.labels(engine, layout.model).set(index)
+                metrics.engine_stage_bound.labels(engine, layout.model).set(bound)
 
 
 def _worker_header(index: str) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:

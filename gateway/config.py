@@ -169,15 +169,18 @@ class RescheduleConfig(_Frozen):
     """Moving running requests between engines (STAR; gateway.dispatch.mover, gateway.rescheduling)."""
 
     # "none": no rescheduler runs (migrations only through /admin/migrate); "star": STAR's Algorithm 1 with
-    # the agents' length predictions; "star-nopred": the same on current load only (the paper's ablation).
-    policy: Literal["none", "star", "star-nopred"] = "none"
+    # the agents' length predictions; "star-nopred": the same on current load only (the paper's ablation);
+    # "length_stages": CascadeInfer's stages, refinement, hand-over and bid-ask (docs/cascadeinfer.md), which
+    # paces its own transfers: the mover's cooldowns do not apply and its per-request limit is the
+    # rescheduler's `max_migrations_per_request`. The agents must report their requests (`--star-report`).
+    policy: Literal["none", "star", "star-nopred", "length_stages"] = "none"
     interval_s: float = Field(0.5, gt=0)  # how often the rescheduler looks
     max_migrations_per_request: int = Field(2, ge=0)
     request_cooldown_s: float = Field(5.0, ge=0)  # a request is not cut again within this
     engine_cooldown_s: float = Field(1.0, ge=0)  # an engine sits out new migrations this long after one
-    # The rescheduler's own parameters (gateway.rescheduling.star.StarParams fields); unknown keys are an
-    # error at start-up.
-    params: dict[str, float | int | bool] = Field(default_factory=dict)
+    # The rescheduler's own parameters (gateway.rescheduling.star.StarParams or length_stages.
+    # LengthStagesParams fields); unknown keys are an error at start-up.
+    params: dict[str, float | int | bool | str] = Field(default_factory=dict)
 
 
 class AutoscaleConfig(_Frozen):
@@ -366,6 +369,9 @@ class GatewayConfig(_Frozen):
         if self.autoscale.enabled and self.workers != 1:
             raise ValueError("autoscale runs in a one-process gateway (workers: 1): it counts the arrivals, "
                              "and each worker of several sees only its share")
+        if self.policy.name == "length_stages" and self.reschedule.policy != "length_stages":
+            raise ValueError("policy length_stages needs reschedule.policy length_stages (--reschedule "
+                             "length_stages): the rescheduler publishes the stages it routes by")
         names = [c.name for c in self.cascades]
         if len(set(names)) != len(names):
             raise ValueError("cascades: two cascades share a name")

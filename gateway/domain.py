@@ -41,6 +41,21 @@ class RequestPrediction:
     generated_tokens: int = 0
     migratable: bool = True  # decoding, not being cut or loading
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt as this engine holds it: N(r) less the tokens generated (CascadeInfer's I)."""
+        return max(self.current_tokens - self.generated_tokens, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class QoEReport:
+    """CascadeInfer §4.1: an engine's online fit of Eq. 1 (D for F = (1, n, ΣI, ΣI², ΣL)), the samples it
+    was fitted on and its mean relative error on them."""
+
+    d: tuple[float, float, float, float, float]
+    samples: int
+    mean_relative_error: float
+
 
 @dataclass(frozen=True, slots=True)
 class FutureLoad:
@@ -84,6 +99,9 @@ class EngineView:
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
     kv_bytes_per_token: int = 0  # from the engine's description (0 = unknown): migration cost, C_mig
+    # CascadeInfer: the engine's QoE fit (None: none yet) and its measured KV pull throughput (0 = none yet).
+    qoe: QoEReport | None = None
+    transfer_bytes_per_s: float = 0.0
     # The hardware, its price and its GPU combo (CAUCHY): from the description / identity; "" / 0 = unknown.
     gpu: str = ""
     tensor_parallel: int = 1
@@ -153,9 +171,43 @@ _NO_ROUTES: Mapping[str, RouteTally] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
+class LengthStage:
+    """One stage of CascadeInfer's pipeline (`gateway.rescheduling.length_stages`): its engines serve
+    sequences of length [lo, hi) (the last stage: lo and up). `bounds` is each engine's own refined upper
+    bound (§4.3), in `engines`' order; `hi` is their mean."""
+
+    lo: int
+    hi: int
+    engines: tuple[EngineId, ...]
+    bounds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayout:
+    """A model's length stages as its rescheduler last published them, for the `length_stages` policy:
+    `stages` in increasing length; `pending_tokens`: per engine, the tokens of requests it has won in
+    bid-ask and not received yet (its bid's earliest start is these over its transfer throughput)."""
+
+    model: str
+    stages: tuple[LengthStage, ...]
+    pending_tokens: Mapping[EngineId, int] = field(default_factory=lambda: _NO_PENDING)
+
+    def stage_of(self, engine_id: EngineId) -> int | None:
+        for index, stage in enumerate(self.stages):
+            if engine_id in stage.engines:
+                return index
+        return None
+
+
+_NO_PENDING: Mapping[EngineId, int] = MappingProxyType({})
+_NO_STAGES: Mapping[str, StageLayout] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     """The fleet at one instant. `engines` is in a stable order (by engine id). `routes`: model -> the
     weighted picks since that model's weights last changed (empty unless a weighted policy routes).
+    `stages`: model -> its CascadeInfer stage layout (`StageLayout`, empty unless that rescheduler runs).
     `membership`: two snapshots with the same value >= 0 (unique per process) have the same engines in the
     same order, each with the same model, readiness, ejection, combo, profile and role (policies may memoise
     what depends on those alone); -1: unknown (hand-built snapshots)."""
@@ -164,6 +216,8 @@ class ClusterSnapshot:
     engines: tuple[EngineView, ...]
     routes: Mapping[str, RouteTally] = field(default_factory=lambda: _NO_ROUTES)
     membership: int = field(default=-1, compare=False)  # a memo key, not part of the value
+    # model -> its length stages as the `length_stages` rescheduler last published them (empty otherwise)
+    stages: Mapping[str, StageLayout] = field(default_factory=lambda: _NO_STAGES)
 
     def get(self, engine_id: EngineId) -> EngineView | None:
         for e in self.engines:
@@ -196,6 +250,9 @@ class RequestFeatures:
     slo_tpot_s: float | None = None
     priority: int = 0
     exclude: frozenset[EngineId] = frozenset()  # engines already tried for this request
+    # A follow (resuming a migrated request): the output tokens it already holds KV for, so its sequence is
+    # prompt_tokens + resumed_tokens long; 0 for a new request.
+    resumed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +390,8 @@ class EngineReport:
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
     combo: str = ""  # the GPU combo the engine belongs to (CAUCHY), from its identity; "" = none
+    qoe: QoEReport | None = None  # CascadeInfer: the agent's online QoE fit (None: none yet)
+    transfer_bytes_per_s: float = 0.0  # the agent's measured KV pull throughput (0 = none yet)
 
 
 @dataclass(frozen=True, slots=True)

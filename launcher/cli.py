@@ -150,10 +150,11 @@ def build_up_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reschedule",
-        choices=["none", "star", "star-nopred"],
+        choices=["none", "star", "star-nopred", "length_stages"],
         default="none",
-        help="STAR: move running requests between engines (docs/star.md); the agents then push prediction "
-        "rounds (--length-predictor for star, current lengths only for star-nopred)",
+        help="move running requests between engines: STAR (docs/star.md) or CascadeInfer's length stages "
+        "(with --policy length_stages; docs/cascadeinfer.md); the agents then push prediction rounds "
+        "(--length-predictor for star, current lengths only for star-nopred and length_stages)",
     )
     p.add_argument(
         "--length-predictor",
@@ -171,10 +172,11 @@ AUTOSCALE_DRAIN_S = 600.0
 
 
 def star_agent_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The agent flags `--reschedule` needs: prediction rounds (`star`) or current lengths (`star-nopred`)."""
+    """The agent flags `--reschedule` needs: prediction rounds (`star`) or current lengths (`star-nopred`,
+    `length_stages`)."""
     if args.reschedule == "star":
         return ("--length-predictor", args.length_predictor)
-    if args.reschedule == "star-nopred":
+    if args.reschedule in ("star-nopred", "length_stages"):
         return ("--star-report",)
     return ()
 

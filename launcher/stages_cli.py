@@ -10,8 +10,9 @@
 per line (whole numbers >= 0; other keys are ignored). --dataset: a loadgen dataset whose requests all give
 an output length (sharegpt, azure-conv, sarathi-sharegpt, ...), from --data-dir, else SWITCHYARD_DATA_DIR,
 else ../shared/data. --qoe PATH: {"d": [D0, D1, D2, D3, D4]}, Eq. 1's coefficients; without it
-PROFILED_QOE_D below (§4.1's profile of the simulated h100-llama3-8b, fitted). The hand-over cost uses
---model's KV bytes per token over --bandwidth-gb-s (50 GB/s: the paper's 400 Gb/s ConnectX-7 between nodes).
+`switchyard.qoe.PROFILED_QOE_D` (§4.1's profile of the simulated h100-llama3-8b, fitted). The hand-over
+cost uses --model's KV bytes per token over --bandwidth-gb-s (50 GB/s: the paper's 400 Gb/s ConnectX-7 between
+nodes).
 
 Owns: the flags, reading the request file and the QoE file, timing the planner (`plan_ms`, with the clock
 passed in), the table and the JSON.
@@ -38,14 +39,8 @@ from gateway.planning.stages import (
     heuristic,
 )
 from switchyard.hardware import MODELS
-from switchyard.qoe import QoEModel
+from switchyard.qoe import PROFILED_QOE_D, PROFILED_QOE_SOURCE, QoEModel
 
-# Eq. 1's D for llama3-8b on one H100 as the simulator runs it: `benchmarks/cascadeinfer_profile.py`'s
-# default run (§4.1: ShareGPT lengths in buckets [100, 200) ... [3200, 6400), batch sizes 1 ... 256, 60 s
-# each, NNLS on relative error; held-out error 5.7 % vs 45.9 % for the static mean). D4 (ΣL) fits to 0 there.
-PROFILED_QOE_D = (7.110955333435831e-3, 3.419446183120474e-05, 1.167853817877221e-07,
-                  1.4423585217140033e-12, 0.0)
-PROFILED_QOE_SOURCE = "benchmarks/cascadeinfer_profile.py on h100-llama3-8b"
 DEFAULT_MODEL = "llama3-8b"
 DEFAULT_BANDWIDTH_GB_S = 50.0
 

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from engine_agent.star.predictor import LengthPredictor
 from engine_agent.tokenization import Tokenizer
+from gateway.rescheduling.length_stages import StagesConfigError, StagesPlanFile
 from loadgen import cascade_plan
 from loadgen.arrivals import ArrivalSpec, schedule
 from loadgen.cascade_cli import (
@@ -220,7 +221,9 @@ def _star_flags(g: argparse._ArgumentGroup, single_arm: bool) -> None:
     g.add_argument("--reschedule-interval-s", type=_positive_float, default=0.5,
                    help="how often each gateway worker's rescheduler proposes a migration")
     g.add_argument("--reschedule-param", action="append", default=[], metavar="K=V",
-                   help="Algorithm 1 parameter (theta, horizon, beta, assume_kv_bytes_per_token); repeatable")
+                   help="the rescheduler's parameters: STAR's (theta, horizon, beta, "
+                        "assume_kv_bytes_per_token) or length_stages' (layout, refine, balance, plan=PATH, "
+                        "...); repeatable")
     g.add_argument("--kv-link-gbps", type=_positive_float, default=25.0,
                    help="decode-to-decode KV link in Gbit/s: the rescheduler's C_mig and the modelled pull")
     g.add_argument("--kv-transfer-latency-ms", type=float, default=2.0,
@@ -403,6 +406,7 @@ def _sim_options(args: argparse.Namespace, policy: str, engines: Sequence[Engine
         predictor = LengthPredictor.load(Path(args.predictor), expected_hidden_size=hidden_size)
     if args.kv_transfer_latency_ms < 0:
         raise UsageError(f"--kv-transfer-latency-ms must be >= 0, got {args.kv_transfer_latency_ms}")
+    stages_plan, history = _stages_start(args, engines) if arm == "length_stages" else (None, ())
     return SimOptions(policy=policy, policy_params=_policy_params(args.policy_param),
                       state_interval_s=args.state_interval_ms / 1000.0,
                       report_delay_s=args.report_delay_ms / 1000.0,
@@ -417,7 +421,39 @@ def _sim_options(args: argparse.Namespace, policy: str, engines: Sequence[Engine
                       kv_transfer_latency_s=args.kv_transfer_latency_ms / 1000.0,
                       prediction_interval=args.prediction_interval, predictor=predictor,
                       predictor_bins=args.predictor_bins, balance_figures=args.reschedule is not None,
-                      cascade=cascade_sim(args))
+                      cascade=cascade_sim(args), stages_plan=stages_plan, stages_history=history)
+
+
+STAGES_HISTORY_REQUESTS = 2000  # length_stages' first window: this many dataset requests after the run's
+
+
+def _stages_start(args: argparse.Namespace, engines: Sequence[EngineSpec]
+                  ) -> tuple[StagesPlanFile | None, tuple[tuple[int, int], ...]]:
+    """length_stages' first plan: `--reschedule-param plan=PATH` (its named engines checked against the
+    fleet's ids), else the lengths of a dataset slice disjoint from the run's (the `STAGES_HISTORY_REQUESTS`
+    requests after the run's, same seed; untimed datasets only), else nothing (one stage until re-planned)."""
+    params = _policy_params(args.reschedule_param, "--reschedule-param")
+    path = params.get("plan")
+    if path:
+        try:
+            doc = json.loads(Path(str(path)).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--reschedule-param plan: cannot read {path}: {exc}") from None
+        ids = [f"{spec.profile}-{i}" for spec in engines for i in range(spec.count)]
+        try:
+            plan = StagesPlanFile.parse(doc, "--reschedule-param plan")
+            plan.check_engines(ids, "--reschedule-param plan")
+        except StagesConfigError as exc:
+            raise UsageError(str(exc)) from None
+        return plan, ()
+    if args.timestamps or args.num_requests is None or args.dataset.startswith(("jsonl:", "sharegpt:")):
+        return None, ()
+    try:
+        requests = load_dataset(args.dataset, resolve_data_dir(args.data_dir), seed=args.seed)
+    except (DataDirNotFoundError, ValueError):
+        return None, ()
+    later = requests[args.num_requests:args.num_requests + STAGES_HISTORY_REQUESTS]
+    return None, tuple((r.prompt_tokens, r.output_tokens) for r in later if r.output_tokens)
 
 
 def _star_config(args: argparse.Namespace) -> dict[str, Any]:

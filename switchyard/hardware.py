@@ -52,6 +52,14 @@ GPUS: dict[str, GpuSpec] = {
     "a6000": GpuSpec("a6000", "RTX-A6000-48GB", 154.8, 768.0, 48.0, 0.80, _PCIE4_X16_GB_S, _PCIE_LATENCY_S),
     # CAUCHY Table 1 (H20-NVL): 148 TFLOPs, 4000 GB/s, 96 GB, $1.50/h. NVLink 900 GB/s (NVIDIA H20 datasheet).
     "h20": GpuSpec("h20", "H20-NVL-96GB", 148.0, 4000.0, 96.0, 1.50, 450.0, _NVLINK_LATENCY_S),
+    # The 141 GB H20 (HBM3e), CascadeInfer's H20 testbed GPU ("NVLink-connected H20 GPUs, each with 141 GB of
+    # memory", §6; the paper gives no other figure): 141 GB HBM3e at 4.8 TB/s (the H200's memory stack, as
+    # reported for this variant; no NVIDIA datasheet of its own), the same compute as the 96 GB H20 (148 dense
+    # BF16 TFLOPs) and NVLink 900 GB/s. Key "h20e": no '-' and no 'x', on which profile names split
+    # (`profiles.shape_profile` on '-', `static_weighted.gpu_class_weight` on 'x'). Price: no public on-demand
+    # price for this variant is known to us; $1.50/h reuses the 96 GB H20's CAUCHY Table 1 price unchanged, a
+    # placeholder, not a quote (`--price h20e=USD` overrides it).
+    "h20e": GpuSpec("h20e", "H20-141GB", 148.0, 4800.0, 141.0, 1.50, 450.0, _NVLINK_LATENCY_S),
     # CAUCHY Table 1 (H800-SXM): 989 TFLOPs, 3350 GB/s, 80 GB, $2.69/h. NVLink limited to 400 GB/s on H800.
     "h800": GpuSpec("h800", "H800-SXM-80GB", 989.0, 3350.0, 80.0, 2.69, 200.0, _NVLINK_LATENCY_S),
     # CAUCHY Table 1 (A800-PCIe): 312 TFLOPs, 1935 GB/s, 80 GB, $1.19/h; tensor parallelism over PCIe 4.0 x16.
@@ -151,4 +159,14 @@ MODELS: dict[str, ModelShape] = {
     # Qwen/Qwen3-14B config.json: head_dim 128 (= 5120 / 40), q/k RMSNorm, no biases, untied LM head,
     # max_position_embeddings 40960 (14.77e9 parameters derived; the card says 14.8B, 13.2B non-embedding).
     "qwen3-14b": ModelShape("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, 40960, qk_norm=True),
+    # CascadeInfer's 128K-context Llamas (§6; max_position_embeddings 131072, rope_scaling "llama3"):
+    # meta-llama/Llama-3.2-3B config.json: head_dim 128 (= 3072 / 24), tie_word_embeddings true (no separate
+    # LM head; 3.21e9 parameters derived).
+    "llama3.2-3b": ModelShape("llama3.2-3b", 28, 3072, 24, 8, 8192, 128256, 131072, tie_word_embeddings=True),
+    # meta-llama/Llama-3.1-8B config.json: Meta-Llama-3-8B's shape with max_position_embeddings 131072 (8.03e9
+    # parameters derived).
+    "llama3.1-8b": ModelShape("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+    # meta-llama/Llama-3.1-70B config.json: Meta-Llama-3-70B's shape with max_position_embeddings 131072
+    # (70.6e9 parameters derived).
+    "llama3.1-70b": ModelShape("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
 }

@@ -5,7 +5,7 @@ simulator drives in virtual time.
 Must not: import asyncio, grpc or the backends' drivers; read clocks; do I/O.
 """
 
-from engine_agent.sim.engine import IterationRecord, SimEngine, StepResult
+from engine_agent.sim.engine import IterationBatch, IterationRecord, SimEngine, StepResult
 from switchyard.hardware import GPUS, MODELS, GpuSpec, ModelShape
 from switchyard.perf_model import (
     BatchShape,
@@ -22,6 +22,7 @@ __all__ = [
     "MODELS",
     "BatchShape",
     "GpuSpec",
+    "IterationBatch",
     "IterationRecord",
     "ModelShape",
     "PerfCoefficients",

@@ -21,9 +21,10 @@ is older than `stale_after_s` stays in the pool, flagged `stale=True`, and its v
 accounting, the dispatches and finishes this gateway itself saw: num_running = inflight_requests, num_waiting,
 pending_prefill_tokens, running_batch_tokens and unreported_* = 0, kv_blocks_free = the last reported total
 minus the blocks of the in-flight tokens (floored at 0), lens = None (its predictions described the engine
-as it was). Availability is decided by the transport: engines leave the pool by their own status (not ready,
-draining, state stream gone) or by outlier detection (`note_success` / `note_failure`, the per-engine machine
-of `gateway.cluster.health`), never by report age.
+as it was); the engine's QoE fit and KV pull throughput (CascadeInfer) stay as last reported. Availability
+is decided by the transport: engines leave the pool by their own status (not ready, draining, state stream
+gone) or by outlier detection (`note_success` / `note_failure`, the per-engine machine of
+`gateway.cluster.health`), never by report age.
 
 Latency window: `note_latency(engine, ttft_s, e2e_s, now_s)` records one finished request (the dispatcher
 calls it for successful requests only, with latencies measured from its dispatch to that engine). A sample
@@ -50,6 +51,7 @@ from gateway.domain import (
     RequestPrediction,
     RouteTag,
     RouteTally,
+    StageLayout,
 )
 
 # `ClusterSnapshot.membership` values, unique in the process (a policy shared by several cluster states, as
@@ -138,6 +140,8 @@ class ClusterState:
         self._next_stale_s = float("inf")
         # Weighted picks (goodput_rr): model -> picks per group since its weights last changed.
         self._routes: Mapping[str, RouteTally] = MappingProxyType({})
+        # CascadeInfer: model -> the length stages its rescheduler last published (`publish_stages`).
+        self._stages: Mapping[str, StageLayout] = MappingProxyType({})
         # A new value when the set of engines or one's model/readiness/ejection/combo/profile changes.
         self._membership = next(_MEMBERSHIP_EPOCHS)
 
@@ -254,6 +258,13 @@ class ClusterState:
         routes = dict(self._routes)  # models are few: only the touched one's tally is rebuilt
         routes[route.model] = RouteTally(weights, tuple(counts))
         self._routes = MappingProxyType(routes)
+
+    def publish_stages(self, layouts: Mapping[str, StageLayout]) -> None:
+        """The `length_stages` rescheduler's layouts (model -> `StageLayout`), read by its policy through
+        `ClusterSnapshot.stages`; a model left out has none."""
+        if layouts != self._stages:
+            self._stages = MappingProxyType(dict(layouts))
+            self._changed = True
 
     def note_finish(self, engine_id: EngineId, request_id: str) -> None:
         """Forget a dispatched request (its oldest dispatch if the id was reused); unknown ids are ignored."""
@@ -384,7 +395,7 @@ class ClusterState:
                 next_stale_s = min(next_stale_s, state.health.next_change_s(now_s))
             views.append(view)
         snapshot = ClusterSnapshot(taken_at_s=now_s, engines=tuple(views), routes=self._routes,
-                                   membership=self._membership)
+                                   membership=self._membership, stages=self._stages)
         self._cached = snapshot
         self._next_stale_s = next_stale_s
         self._changed = False
@@ -461,6 +472,8 @@ class ClusterState:
             lens=report.lens,
             predictions=state.predictions,
             future_load=state.future_load,
+            qoe=report.qoe,  # properties of the engine, not of its load: a stale view keeps both
+            transfer_bytes_per_s=report.transfer_bytes_per_s,
             kv_bytes_per_token=desc.kv_bytes_per_token if desc is not None else 0,
         )
         if age_s <= self._stale_after_s:

@@ -25,7 +25,7 @@ from typing import Any
 
 from gateway.cluster.health import FailureReason, OutlierParams
 from gateway.cluster.state import ClusterState
-from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, RouteTag
+from gateway.domain import ClusterSnapshot, EngineDescription, EngineId, EngineReport, RouteTag, StageLayout
 from gateway.engines.base import EngineClient
 from switchyard.clock import Clock
 
@@ -225,6 +225,10 @@ class ClusterStore:
 
     def snapshot(self) -> ClusterSnapshot:
         return self._state.snapshot(self._clock.now())
+
+    def publish_stages(self, layouts: Mapping[str, StageLayout]) -> None:
+        """The `length_stages` rescheduler's layouts, into later snapshots (`ClusterState.publish_stages`)."""
+        self._state.publish_stages(layouts)
 
     def engine_of(self, request_id: str) -> EngineId | None:
         """The engine this gateway last dispatched `request_id` to and has not released (None: none)."""

@@ -63,6 +63,7 @@ def build_features(
     session_engine: EngineId | None,
     session_last_used_s: float,
     exclude: frozenset[EngineId],
+    resumed_tokens: int = 0,
 ) -> RequestFeatures:
     return RequestFeatures(
         request_id=request.request_id,
@@ -79,4 +80,5 @@ def build_features(
         slo_tpot_s=hints.slo_tpot_s,
         priority=hints.priority,
         exclude=exclude,
+        resumed_tokens=resumed_tokens,
     )

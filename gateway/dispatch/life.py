@@ -77,7 +77,9 @@ from gateway.policies.base import Policy
 from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 DEFAULT_MAX_ATTEMPTS = 3
-DEFAULT_MAX_FOLLOWS = 4  # resumptions of one choice after migrations (moves and fallbacks together)
+# Resumptions of one choice after migrations (moves and fallbacks together): CascadeInfer's hand-overs
+# cross up to one stage wall each (the rescheduler stops at 15, `gateway.rescheduling.length_stages`).
+DEFAULT_MAX_FOLLOWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +367,7 @@ class ChoiceLife:
             session_engine=None if follow else self.session_engine,
             session_last_used_s=0.0 if follow else self.session_last_used_s,
             exclude=exclude,
+            resumed_tokens=self.ticket.output_tokens if follow and self.ticket is not None else 0,
         )
 
     def _give_up(self, why: str = "") -> GiveUp:

@@ -13,9 +13,10 @@ limit or by the engine, 503 engine unreachable), for `/admin/migrate` and the re
 The decisions the mover makes without I/O are pure and shared with the simulator (`loadgen.simulate`, which
 moves requests in virtual time): `check_target` (is the named target usable for the request's engine) and
 `MoveLimits` (the limits' bookkeeping, at times given by the caller).
-`RescheduleLoop` is the task that asks a rescheduler (`gateway.rescheduling`, pure) every `interval_s` for a
-migration and hands it to the mover: one proposal per interval per model, requests and engines the mover
-cannot use now excluded.
+`RescheduleLoop` is the task that asks a rescheduler (`gateway.rescheduling`, pure; the `Rescheduler`
+protocol) every `interval_s` for its migrations per model (requests and engines the mover cannot use now
+excluded), hands each to the mover, gives back those not started (`not_started`), and publishes the
+rescheduler's layouts into the cluster store (CascadeInfer's stages, read by the `length_stages` policy).
 Must not: decide which request to move where (the rescheduler or the operator does), relay tokens (the
 splice does), or read a clock other than the one it is given.
 """
@@ -25,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.domain import (
     ClusterSnapshot,
@@ -35,6 +36,7 @@ from gateway.domain import (
     EngineUnavailable,
     MigrationRefusedError,
     MigrationTicket,
+    StageLayout,
 )
 from gateway.engines.base import EngineClient, MigratingClient
 from gateway.observability.metrics import GatewayMetrics
@@ -212,7 +214,7 @@ class Mover:
 
 
 class Proposal(Protocol):
-    """What a rescheduler proposes (`gateway.rescheduling.star.Migration` is one)."""
+    """What a rescheduler proposes (`gateway.rescheduling.star.Migration` and `length_stages.Move` are)."""
 
     @property
     def request_id(self) -> str: ...
@@ -224,29 +226,47 @@ class Proposal(Protocol):
     def target(self) -> EngineId: ...
 
 
-# (snapshot, model, requests to leave alone, engines to leave alone) -> one proposal or none
-Proposer = Callable[[ClusterSnapshot, str, frozenset[str], frozenset[str]], Proposal | None]
+class Rescheduler(Protocol):
+    """A rescheduler as the loop drives it (`gateway.rescheduling`: `StarRescheduler`, `LengthStages`)."""
+
+    def propose(self, snapshot: ClusterSnapshot, model: str, exclude: frozenset[str], busy: frozenset[str],
+                now_s: float) -> Sequence[Proposal]:
+        """The migrations to start for `model` now, leaving `exclude` (requests) and `busy` (engines) be."""
+        ...
+
+    def not_started(self, proposal: Any, status: int) -> None:
+        """The mover did not start `proposal` (`MoveError.status`)."""
+        ...
+
+    def layouts(self) -> Mapping[str, StageLayout]:
+        """What it publishes for the policies (CascadeInfer's stage layouts; empty for STAR)."""
+        ...
 
 
 class RescheduleLoop:
-    """Every `interval_s`: per model, the proposer's migration, carried out by the mover (see the module
-    docstring). Run `run()` as a background task (the app does, in its cleanup context)."""
+    """Every `interval_s`: per model, the rescheduler's migrations, carried out by the mover, then its layouts
+    published (see the module docstring). Run `run()` as a background task (the app does, in its cleanup
+    context)."""
 
     def __init__(
         self,
         mover: Mover,
         snapshot: Callable[[], ClusterSnapshot],
-        propose: Proposer,
+        rescheduler: Rescheduler,
         interval_s: float,
         metrics: GatewayMetrics,
+        clock: Clock,
+        publish: Callable[[Mapping[str, StageLayout]], None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self._mover = mover
         self._snapshot = snapshot
-        self._propose = propose
+        self._rescheduler = rescheduler
         self._interval_s = interval_s
         self._metrics = metrics
+        self._clock = clock
+        self._publish = publish
 
     async def run(self) -> None:
         while True:
@@ -254,18 +274,24 @@ class RescheduleLoop:
             await self.once()
 
     async def once(self) -> int:
-        """One interval: the migrations started (a failure to start one is logged and skipped)."""
+        """One interval: the migrations started (a failure to start one is logged and handed back)."""
         snapshot = self._snapshot()
         started = 0
+        now_s = self._clock.now()
         for model in sorted({e.model for e in snapshot.engines if e.model}):
-            proposal = self._propose(
-                snapshot, model, self._mover.unmovable_requests(), self._mover.busy_engines()
+            proposals = self._rescheduler.propose(
+                snapshot, model, self._mover.unmovable_requests(), self._mover.busy_engines(), now_s
             )
-            if proposal is None:
-                continue
-            try:
-                await self._mover.migrate(proposal.request_id, proposal.target)
-                started += 1
-            except MoveError as e:
-                log.info("rescheduler: %s -> %s not started: %s", proposal.request_id, proposal.target, e)
+            for proposal in proposals:
+                try:
+                    await self._mover.migrate(proposal.request_id, proposal.target)
+                    started += 1
+                    reason = getattr(proposal, "reason", "")
+                    if reason:
+                        self._metrics.stage_moves.labels(reason).inc()
+                except MoveError as e:
+                    self._rescheduler.not_started(proposal, e.status)
+                    log.info("rescheduler: %s -> %s not started: %s", proposal.request_id, proposal.target, e)
+        if self._publish is not None:
+            self._publish(self._rescheduler.layouts())
         return started

@@ -48,6 +48,7 @@ from gateway.domain import (
     Migrated,
     MigrationRefusedError,
     MigrationTicket,
+    QoEReport,
     RequestPrediction,
     StreamEvent,
 )
@@ -212,7 +213,18 @@ def from_engine_state(state: pb.EngineState) -> EngineReport:
             if state.HasField("future_load")
             else None
         ),
+        qoe=_qoe_report(state),
+        transfer_bytes_per_s=state.transfer_bytes_per_s,
     )
+
+
+def _qoe_report(state: pb.EngineState) -> QoEReport | None:
+    """The agent's online QoE fit; None when it has none yet (unset) or sent other than Eq. 1's five D."""
+    if not state.HasField("qoe") or len(state.qoe.d) != 5:
+        return None
+    qoe = state.qoe
+    d0, d1, d2, d3, d4 = qoe.d
+    return QoEReport(d=(d0, d1, d2, d3, d4), samples=qoe.samples, mean_relative_error=qoe.mean_relative_error)
 
 
 def _lens_state(state: pb.EngineState) -> LensState | None:

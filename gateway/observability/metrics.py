@@ -23,8 +23,9 @@ from gateway.domain import ClusterSnapshot
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Gauges every worker process of one gateway (gateway.workers) reports alike: the engine state each worker's
 # store is pushed, the configured worker count, the cascades' thresholds (re-planned in one-process gateways
-# only). A merged scrape (observability/merge.py) takes them from the answering worker; every other gauge
-# describes its own process (in-flight requests) and is summed.
+# only), CascadeInfer's stage and bound per engine (each worker's rescheduler reads the same reports; the
+# answering worker's layout is taken, not a sum). A merged scrape (observability/merge.py) takes them from the
+# answering worker; every other gauge describes its own process (in-flight requests) and is summed.
 SHARED_GAUGES = frozenset(
     {
         "switchyard_engine_running_requests",
@@ -35,6 +36,8 @@ SHARED_GAUGES = frozenset(
         "switchyard_engine_state_age_seconds",
         "switchyard_gateway_workers",
         "switchyard_cascade_threshold",
+        "switchyard_engine_stage",
+        "switchyard_engine_stage_bound_tokens",
     }
 )
 
@@ -337,6 +340,25 @@ class GatewayMetrics:
             "switchyard_migration_splice_stall_seconds",
             "Gap the client saw at a migration: the source's last token to the resuming engine's first",
             buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.stage_moves = Counter(
+            "switchyard_stage_migrations_total",
+            "CascadeInfer's migrations started by the length_stages rescheduler, by reason: handover (a "
+            "request grew past its engine's bound) or rebalance (intra-stage bid-ask)",
+            ["reason"],
+            registry=r,
+        )
+        self.engine_stage = Gauge(
+            "switchyard_engine_stage",
+            "CascadeInfer: the length stage (0 = shortest) an engine serves in its model's layout",
+            ["engine", "model"],
+            registry=r,
+        )
+        self.engine_stage_bound = Gauge(
+            "switchyard_engine_stage_bound_tokens",
+            "CascadeInfer: an engine's refined upper bound (sequence tokens; the last stage's is its range)",
+            ["engine", "model"],
             registry=r,
         )
         self.admission = Counter(

@@ -64,7 +64,7 @@ from switchyard.hardware import BYTES_PER_GB, ModelShape
 from switchyard.qoe import QoEModel
 
 FloatArray = npt.NDArray[np.float64]
-Method = Literal["heuristic", "paper", "exact", "brute_force"]
+Method = Literal["heuristic", "paper", "exact", "brute_force", "chain"]
 _REL_EPS = 1e-12  # a merge gain within this share of the pair's QoE is float noise, not a gain
 
 
@@ -229,6 +229,12 @@ def _two_phase(problem: StageProblem, *, every_chain: bool) -> StagePlan:
     return problem.plan(best[1], best[2], "heuristic" if every_chain else "paper")
 
 
+def chain(problem: StageProblem) -> StagePlan:
+    """§6.5's chain layout: the best pipeline of min(E, B) stages, one instance each (spares spread)."""
+    bounds = _chains(problem, min(problem.instances, problem.buckets))[-1]
+    return problem.plan(bounds, _spread(problem, bounds, problem.instances - (len(bounds) - 1)), "chain")
+
+
 def _chains(problem: StageProblem, most: int) -> list[list[int]]:
     """Phase 1: for s = 1..`most`, the bounds of the best s-stage pipeline with one instance per stage."""
     size = problem.buckets + 1
@@ -356,5 +362,6 @@ def plan_stages(instances: int, max_len: int, requests: Sequence[tuple[int, int]
                 transfer: TransferCost, method: Method = "heuristic") -> StagePlan:
     """The stage partition of `instances` over lengths [0, max_len] for `requests` ((I, O) pairs)."""
     problem = StageProblem(instances, max_len, requests, model, transfer)
-    solve = {"heuristic": heuristic, "paper": paper_heuristic, "exact": exact, "brute_force": brute_force}
+    solve = {"heuristic": heuristic, "paper": paper_heuristic, "exact": exact, "brute_force": brute_force,
+             "chain": chain}
     return solve[method](problem)

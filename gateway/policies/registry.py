@@ -22,6 +22,7 @@ from gateway.policies.base import Policy
 from gateway.policies.goodput_rr import GoodputRRParams, GoodputRRPolicy
 from gateway.policies.latency_based import LatencyBasedParams, LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedParams, LeastLoadedPolicy
+from gateway.policies.length_stages import LengthStagesPolicy, LengthStagesPolicyParams
 from gateway.policies.params import PolicyParams
 from gateway.policies.prism import PrismParams, PrismPolicy
 from gateway.policies.round_robin import RoundRobinParams, RoundRobinPolicy
@@ -89,6 +90,9 @@ _FACTORIES: Mapping[str, _Factory] = MappingProxyType(
             StaticWeightedPolicy.NAME, StaticWeightedParams, StaticWeightedPolicy
         ),
         GoodputRRPolicy.NAME: _factory(GoodputRRPolicy.NAME, GoodputRRParams, GoodputRRPolicy),
+        LengthStagesPolicy.NAME: _factory(
+            LengthStagesPolicy.NAME, LengthStagesPolicyParams, LengthStagesPolicy
+        ),
     }
 )
 

@@ -1,8 +1,9 @@
 """STAR's decode rescheduler (paper 003, §5.2, Eq. 3-4, Algorithm 1) as a pure function of a snapshot.
 
-Owns: `StarParams`, `Migration` and `propose`: one interval of Algorithm 1 (classify, enumerate, pick the best
-feasible migration) over the decode engines of a model, evaluated in O(1) per candidate from the engines'
-H-round future-load summaries (`switchyard.star_load` holds the arithmetic shared with the agent).
+Owns: `StarParams`, `Migration`, `propose` and `StarRescheduler` (it as the reschedule loop drives one): one
+interval of Algorithm 1 (classify, enumerate, pick the best feasible migration) over the decode engines of a
+model, evaluated in O(1) per candidate from the engines' H-round future-load summaries (`switchyard.star_load`
+holds the arithmetic shared with the agent).
 Must not: import asyncio, grpc, aiohttp, prometheus or `time`, read clocks, talk to engines or remember
 anything between calls; carrying a migration out (cut, KV pull, splice) belongs to an executor above.
 
@@ -66,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from gateway.domain import ClusterSnapshot, EngineId, EngineView
+from gateway.domain import ClusterSnapshot, EngineId, EngineView, StageLayout
 from switchyard.star_load import (
     DEFAULT_BETA,
     DEFAULT_HORIZON,
@@ -422,3 +423,22 @@ def _propose_model(
         kv_bytes=kv_bytes,
         migration_cost_s=kv_bytes / params.link_bytes_per_s,
     )
+
+
+class StarRescheduler:
+    """Algorithm 1 as a `gateway.dispatch.mover.Rescheduler`: at most one migration per model and interval,
+    nothing remembered, nothing published."""
+
+    def __init__(self, params: StarParams) -> None:
+        self.params = params
+
+    def propose(self, snapshot: ClusterSnapshot, model: str, exclude: frozenset[str], busy: frozenset[str],
+                now_s: float) -> list[Migration]:
+        found = propose(snapshot, self.params, model=model, exclude_requests=exclude, busy_engines=busy)
+        return [] if found is None else [found]
+
+    def not_started(self, proposal: object, status: int) -> None:
+        """Nothing to take back: the next interval proposes afresh."""
+
+    def layouts(self) -> dict[str, StageLayout]:
+        return {}

@@ -174,7 +174,7 @@ def build_fleet(engines: Sequence[EngineSpec], options: SimOptions,
 
 def _attach_rounds(nodes: Sequence[SimNode], options: SimOptions) -> None:
     """Give every engine its STAR prediction rounds (`loadgen.simulate.predictions`)."""
-    horizon = options.star_params().horizon
+    horizon = 0 if options.reschedule == "length_stages" else options.star_params().horizon
     predictor = options.predictor if options.reschedule == "star" else None
     hidden: dict[str, SyntheticHiddenStates] = {}  # per model: every engine of a model shares one
     for node in nodes:

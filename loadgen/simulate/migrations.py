@@ -43,6 +43,7 @@ Semantics (each step is the live code's, or mirrors it where the live step is I/
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,9 +51,10 @@ from typing import Any
 from engine_agent.domain import BackendRequest, MigrationRefused, RequestId
 from engine_agent.sim.migration import MigrationCut
 from gateway.dispatch.life import ChoiceLife, StreamFailed, record_dispatch, record_outcome
-from gateway.dispatch.mover import MoveError, MoveLimits, check_target
+from gateway.dispatch.mover import MoveError, MoveLimits, MoveParams, Rescheduler, check_target
 from gateway.domain import EngineId, MigrationTicket
-from gateway.rescheduling.star import StarParams, propose
+from gateway.rescheduling.length_stages import MAX_MOVES_PER_REQUEST, LengthStages
+from gateway.rescheduling.star import StarRescheduler
 from loadgen.simulate.balance import percentiles_ms
 from loadgen.simulate.deciders import Decider
 from loadgen.simulate.fleet import SimNode
@@ -77,6 +79,8 @@ class MoveStats:
     propose_s: list[float] = field(default_factory=list)  # wall-clock seconds per propose call
     handoff_kv_bytes: int = 0  # KV of the prefill engines' hand-offs resumed (not in `kv_bytes_moved`)
     handoff_stall_s: list[float] = field(default_factory=list)  # hand-offs' splice stalls (not in the above)
+    reasons: dict[str, int] = field(default_factory=dict)  # length_stages: moves started by reason
+    layout: dict[str, Any] = field(default_factory=dict)  # length_stages: its last layout, per model
 
     def row(self) -> dict[str, Any]:
         return {
@@ -92,6 +96,8 @@ class MoveStats:
             "propose_s": list(self.propose_s),
             "handoff_kv_bytes": self.handoff_kv_bytes,
             "handoff_stall_s": list(self.handoff_stall_s),
+            "reasons": dict(self.reasons),
+            "layout": self.layout,
         }
 
 
@@ -111,7 +117,7 @@ class Migrations:
     given: requests in flight (`info`: schedule index, life, decider), their token times (`times_of`) and
     their engine requests (`requests`)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the runner's shared tables)
         self,
         options: SimOptions,
         deciders: Sequence[Decider],
@@ -125,11 +131,13 @@ class Migrations:
         abandon: Callable[[str, float, str], None],
         wall_clock: Clock,
     ) -> None:
-        self.params: StarParams = options.star_params()
+        self._reschedulers = [_rescheduler(options, decider.index) for decider in deciders]
         self._link_bytes_per_s = options.kv_link_gbps * 1e9 / BITS_PER_BYTE
         self._latency_s = options.kv_transfer_latency_s
         self._deciders = deciders
-        self._limits = [MoveLimits(options.move_params) for _ in deciders]
+        move_params = (MoveParams(MAX_MOVES_PER_REQUEST, 0.0, 0.0) if options.reschedule == "length_stages"
+                       else options.move_params)  # CascadeInfer paces its own transfers (as live)
+        self._limits = [MoveLimits(move_params) for _ in deciders]
         self.stats = [MoveStats() for _ in deciders]
         self._nodes = nodes
         self._info = info
@@ -159,23 +167,33 @@ class Migrations:
     def tick(self, now_s: float) -> None:
         """One rescheduling interval on every worker (the live `RescheduleLoop.once`)."""
         wall = self._wall
-        for decider, limits, stats in zip(self._deciders, self._limits, self.stats, strict=True):
+        for decider, limits, stats, rescheduler in zip(self._deciders, self._limits, self.stats,
+                                                       self._reschedulers, strict=True):
             snapshot = decider.state.snapshot(now_s)
             for model in sorted({e.model for e in snapshot.engines if e.model}):
                 started_s = wall.now()
-                proposal = propose(snapshot, self.params, model=model,
-                                   exclude_requests=limits.unmovable_requests(now_s),
-                                   busy_engines=limits.busy_engines(now_s))
+                proposals = rescheduler.propose(snapshot, model, limits.unmovable_requests(now_s),
+                                                limits.busy_engines(now_s), now_s)
                 stats.propose_s.append(wall.now() - started_s)
                 stats.propose_calls += 1
-                if proposal is None:
-                    continue
-                stats.proposals += 1
-                try:
-                    self._cut(decider, limits, stats, proposal.request_id, proposal.target, now_s)
-                except MoveError as exc:
-                    key = str(exc.status)
-                    stats.not_started[key] = stats.not_started.get(key, 0) + 1
+                stats.proposals += bool(proposals)
+                for proposal in proposals:
+                    try:
+                        self._cut(decider, limits, stats, proposal.request_id, proposal.target, now_s)
+                    except MoveError as exc:
+                        rescheduler.not_started(proposal, exc.status)
+                        key = str(exc.status)
+                        stats.not_started[key] = stats.not_started.get(key, 0) + 1
+                        continue
+                    reason = getattr(proposal, "reason", "")
+                    if reason:
+                        stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
+            layouts = rescheduler.layouts()
+            if layouts:
+                decider.state.publish_stages(layouts)
+                stats.layout = {m: [{"lo": s.lo, "hi": s.hi, "engines": list(s.engines),
+                                     "bounds": list(s.bounds)} for s in layout.stages]
+                                for m, layout in layouts.items()}
 
     def _cut(self, decider: Decider, limits: MoveLimits, stats: MoveStats, request_id: str, target: EngineId,
              now_s: float) -> None:
@@ -317,3 +335,13 @@ class Migrations:
     def rows(self) -> list[dict[str, Any]]:
         """Each worker's figures (`MoveStats.row`), in decider order."""
         return [stats.row() for stats in self.stats]
+
+
+def _rescheduler(options: SimOptions, decider: int) -> Rescheduler:
+    """A worker's rescheduler, as the live gateway builds it (`gateway.app._rescheduler`): CascadeInfer's with
+    a random stream of its own (seeded by the run's seed and the worker), else STAR's Algorithm 1."""
+    if options.reschedule == "length_stages":
+        draws = random.Random(f"length_stages:{options.seed}:{decider}")
+        return LengthStages(options.stages_params(), plan=options.stages_plan, history=options.stages_history,
+                            rand=draws.random)
+    return StarRescheduler(options.star_params())

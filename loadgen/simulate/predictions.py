@@ -110,7 +110,7 @@ def remaining_lengths(arm: str, *, predictor: LengthPredictor | None, bins: int 
     ValueError when "star" has neither a predictor (with its hidden-state generator) nor bins."""
     if arm == "star-oracle":
         return exact_lengths
-    if arm == "star-nopred":
+    if arm in ("star-nopred", "length_stages"):  # lengths only (CascadeInfer reads N(r) and the prompt)
         return None
     if arm == "star":
         if bins is not None:

@@ -20,6 +20,7 @@ from gateway.dispatch.mover import MoveParams
 from gateway.planning.autoscaler import Action, AutoscalerParams
 from gateway.planning.ilp import Solver
 from gateway.planning.plan_file import Plan
+from gateway.rescheduling.length_stages import LengthStagesParams, StagesConfigError, StagesPlanFile
 from gateway.rescheduling.star import StarParams
 from loadgen.metrics import Outcome
 from loadgen.simulate.cascade import CascadeSim
@@ -31,9 +32,10 @@ from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 LENS_STATE_POLICIES = frozenset({"prism"})
 
 # STAR's arms (paper 003, §6.1): no rescheduling, Algorithm 1 on current load only, with the length predictor
-# (`SimOptions.predictor` or `predictor_bins`), and with the exact remaining lengths.
-RescheduleArm = Literal["none", "star-nopred", "star", "star-oracle"]
-RESCHEDULE_ARMS: tuple[RescheduleArm, ...] = ("none", "star-nopred", "star", "star-oracle")
+# (`SimOptions.predictor` or `predictor_bins`), and with the exact remaining lengths; and CascadeInfer's
+# length stages (paper 000, `gateway.rescheduling.length_stages`; engines report their requests' lengths).
+RescheduleArm = Literal["none", "star-nopred", "star", "star-oracle", "length_stages"]
+RESCHEDULE_ARMS: tuple[RescheduleArm, ...] = ("none", "star-nopred", "star", "star-oracle", "length_stages")
 PREDICTOR_BINS = (2, 4, 6)  # STAR Table 3's settings
 # StarParams fields the simulator's own options set (the arm, --kv-link-gbps, --prediction-interval).
 _STAR_FIELDS_OF_OPTIONS = frozenset({"use_prediction", "kv_link_gbps", "round_tokens"})
@@ -164,6 +166,8 @@ class SimOptions:
     move_params: MoveParams = field(default_factory=MoveParams)
     balance_figures: bool = False
     cascade: CascadeSim | None = None  # requests run a cascade's stages (loadgen.simulate.cascade)
+    stages_plan: StagesPlanFile | None = None  # length_stages' first plan (else one stage until re-planned)
+    stages_history: tuple[tuple[int, int], ...] = ()  # length_stages: (I, O) of earlier requests, its window
 
     def __post_init__(self) -> None:
         positive = {"state_interval_s": self.state_interval_s, "stale_after_s": self.stale_after_s,
@@ -212,11 +216,29 @@ class SimOptions:
         if self.reschedule == "star" and self.predictor is None and self.predictor_bins is None:
             raise ValueError("the 'star' arm needs a length predictor (a predictor file) or predictor bins "
                              "(2, 4 or 6); 'star-oracle' uses the exact lengths")
+        if self.policy == "length_stages" and self.reschedule != "length_stages":
+            raise ValueError("policy length_stages needs --reschedule length_stages: the rescheduler "
+                             "publishes the stages it routes by")
+        if self.reschedule == "length_stages":
+            self.stages_params()
+            return
+        if self.stages_plan is not None:
+            raise ValueError("a stage plan is for --reschedule length_stages")
         clash = sorted(_STAR_FIELDS_OF_OPTIONS & set(self.reschedule_params))
         if clash:
             raise ValueError(f"reschedule parameters {clash} are set by the arm, the KV link and the "
                              f"prediction interval options")
         self.star_params()  # TypeError / ValueError on an unknown or bad parameter
+
+    def stages_params(self) -> LengthStagesParams:
+        """CascadeInfer's rescheduler parameters: `reschedule_params` (`LengthStagesParams` keys; the link,
+        the interval and a pull's latency are the options'); ValueError naming a bad key."""
+        values = {**self.reschedule_params, "kv_link_gbps": self.kv_link_gbps,
+                  "interval_s": self.reschedule_interval_s, "transfer_latency_s": self.kv_transfer_latency_s}
+        try:
+            return LengthStagesParams.from_mapping(values)
+        except StagesConfigError as exc:
+            raise ValueError(f"reschedule parameters: {exc}") from None
 
     def star_params(self) -> StarParams:
         """Algorithm 1's parameters: `reschedule_params` over `StarParams`' defaults, with prediction on

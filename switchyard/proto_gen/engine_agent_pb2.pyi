@@ -306,8 +306,18 @@ class FutureLoad(_message.Message):
     load: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, round: _Optional[int] = ..., tokens_per_round: _Optional[int] = ..., load: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class QoEFit(_message.Message):
+    __slots__ = ("d", "samples", "mean_relative_error")
+    D_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RELATIVE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    d: _containers.RepeatedScalarFieldContainer[float]
+    samples: int
+    mean_relative_error: float
+    def __init__(self, d: _Optional[_Iterable[float]] = ..., samples: _Optional[int] = ..., mean_relative_error: _Optional[float] = ...) -> None: ...
+
 class EngineState(_message.Message):
-    __slots__ = ("identity", "seq", "timestamp_s", "ready", "draining", "num_running", "num_waiting", "num_preempted_total", "kv_blocks_total", "kv_blocks_free", "kv_blocks_reserved", "pending_prefill_tokens", "running_batch_tokens", "last_iteration_s", "iterations_total", "lens", "predictions", "future_load")
+    __slots__ = ("identity", "seq", "timestamp_s", "ready", "draining", "num_running", "num_waiting", "num_preempted_total", "kv_blocks_total", "kv_blocks_free", "kv_blocks_reserved", "pending_prefill_tokens", "running_batch_tokens", "last_iteration_s", "iterations_total", "lens", "predictions", "future_load", "qoe", "transfer_bytes_per_s")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +336,8 @@ class EngineState(_message.Message):
     LENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     FUTURE_LOAD_FIELD_NUMBER: _ClassVar[int]
+    QOE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     identity: EngineIdentity
     seq: int
     timestamp_s: float
@@ -344,7 +356,9 @@ class EngineState(_message.Message):
     lens: LensState
     predictions: _containers.RepeatedCompositeFieldContainer[RequestPrediction]
     future_load: FutureLoad
-    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., seq: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., running_batch_tokens: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., iterations_total: _Optional[int] = ..., lens: _Optional[_Union[LensState, _Mapping]] = ..., predictions: _Optional[_Iterable[_Union[RequestPrediction, _Mapping]]] = ..., future_load: _Optional[_Union[FutureLoad, _Mapping]] = ...) -> None: ...
+    qoe: QoEFit
+    transfer_bytes_per_s: float
+    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., seq: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., running_batch_tokens: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., iterations_total: _Optional[int] = ..., lens: _Optional[_Union[LensState, _Mapping]] = ..., predictions: _Optional[_Iterable[_Union[RequestPrediction, _Mapping]]] = ..., future_load: _Optional[_Union[FutureLoad, _Mapping]] = ..., qoe: _Optional[_Union[QoEFit, _Mapping]] = ..., transfer_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -74,6 +74,9 @@ PURE_CORES = (
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
     PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE,
                                   "switchyard.qoe")),
+    # CascadeInfer's online QoE fit and the KV pull throughput: fed by the backends, pure themselves.
+    PureCore("engine_agent/qoe_tracker.py", (*AGENT_DOMAIN, "switchyard.qoe")),
+    PureCore("engine_agent/transfer_rate.py", ()),
     # Cascades (Cascadia): the quality profiles, the judge's prompts and parser, and one request's decisions.
     PureCore("gateway/cascade/quality.py", ()),
     PureCore("gateway/cascade/judge_prompt.py", ("gateway.cascade.quality",)),

@@ -158,6 +158,55 @@ async def test_lens_model_learns_from_vllm_iterations(backend) -> None:  # type:
     assert model.ready
 
 
+async def test_finished_requests_feed_the_qoe_fit(backend) -> None:  # type: ignore[no-untyped-def]
+    """CascadeInfer's online fit: the engine side's batch loads reach the agent with the state reads and are
+    paired with the latencies it measured; fewer than 20 requests finished before this test, so this is the
+    first fit."""
+    tracker = backend._qoe  # noqa: SLF001 - the test reads the tracker directly
+    before = tracker.samples_total
+    assert before < 20 and backend.stats().qoe is None
+    await asyncio.gather(
+        *(_run(backend, _request(f"qoe-{i}", list(range(5, 25 + 13 * i)), 6 + i % 7)) for i in range(24))
+    )
+    for _ in range(200):  # up to 10 s: the loads come with the next scheduler reads (at most 1 s apart)
+        if tracker.samples_total >= before + 24:
+            break
+        await asyncio.sleep(0.05)
+    assert tracker.samples_total == before + 24
+    fit = backend.stats().qoe
+    assert fit is not None and fit.samples == before + 24
+    assert len(fit.d) == 5 and min(fit.d) >= 0.0
+    assert backend.stats().transfer_bytes_per_s == 0.0  # this module's engine runs without NIXL
+
+
+async def test_engine_side_hands_finished_loads_over_once() -> None:
+    """The scheduler mix-in's batch loads, on stand-ins for vLLM's requests and scheduler outputs."""
+    import importlib  # noqa: PLC0415
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    # In a thread: importing vLLM takes seconds (this test may run alone, before the fixture's engine).
+    engine_side = await asyncio.to_thread(importlib.import_module, "engine_agent.backends.vllm.engine_side")
+    mixin = engine_side._AgentSchedulerMixin  # noqa: SLF001
+    requests = {"a": SimpleNamespace(num_prompt_tokens=100, num_computed_tokens=100),
+                "b": SimpleNamespace(num_prompt_tokens=10, num_computed_tokens=12)}
+    scheduler = SimpleNamespace(requests=requests, agent_loads=None, agent_finished_loads=None)
+    record = mixin._agent_record_loads  # noqa: SLF001
+
+    def step(scheduled: list[str], finished: set[str]) -> None:
+        record(scheduler, SimpleNamespace(num_scheduled_tokens=dict.fromkeys(scheduled, 1),
+                                          finished_req_ids=finished))
+
+    step(["a", "b"], set())
+    requests["a"].num_computed_tokens = 101
+    step(["a"], set())
+    step([], {"a", "never-scheduled"})
+    taken = mixin.agent_take_finished_loads(scheduler)
+    # a: (1, 2, 110, 10100, 112) then (1, 1, 100, 10000, 101), averaged.
+    assert taken == {"a": (1.0, 1.5, 105.0, 10050.0, 106.5)}
+    assert mixin.agent_take_finished_loads(scheduler) == {}
+    assert list(scheduler.agent_loads.request_ids()) == ["b"]
+
+
 async def test_engine_state_shows_queue_and_kv_then_frees(backend) -> None:  # type: ignore[no-untyped-def]
     started = asyncio.Event()
     version = await backend.wait_for_change(-1, 0.0)

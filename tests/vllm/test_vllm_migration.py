@@ -163,6 +163,9 @@ async def test_migrated_tokens_equal_an_unmigrated_run_and_kv_is_pulled(agents) 
     state_a, state_b = await _wait_idle(a), await _wait_idle(b)
     assert state_a.num_running == 0 and state_a.kv_blocks_free == state_a.kv_blocks_total
     assert state_b.num_running == 0 and state_b.kv_blocks_free == state_b.kv_blocks_total
+    # NIXL timed B's READ (CascadeInfer's transfer throughput); A pulled nothing.
+    assert state_b.transfer_bytes_per_s > 0.0 and state_a.transfer_bytes_per_s == 0.0
+    print(f"KV pull throughput measured by NIXL on B: {state_b.transfer_bytes_per_s / 1e6:.1f} MB/s")
 
 
 async def test_abort_of_a_cut_request_frees_its_held_kv_before_the_lease(agents) -> None:  # type: ignore[no-untyped-def]

@@ -11,7 +11,12 @@ the agent offers it is decided at start-up, `engine_agent.server.backend_capabil
 output token: exact for greedy requests up to vLLM's batch-dependent numerics, a fresh draw from the same
 distribution for sampled ones, which never move seeded: `migrate_out` refuses them), and its background
 tasks: the state reader, a tap drain and a LENS refit at a time, all born after `start` and ended by `stop`
-(none is born once `stop` began).
+(none is born once `stop` began), and CascadeInfer's online QoE fit (`engine_agent.qoe_tracker`): the engine
+side accumulates each scheduled batch's load per request (`engine_side`) and hands finished requests' loads
+over in the state read; `LoadJoin` pairs each with the latency this backend measured (admission here to the
+finish, a migrated-in request's KV pull included: NIXL times READs, not requests; output tokens produced
+here); `stats` carries the fit (refitted at most every 50 new samples) and the NIXL-measured pull throughput
+(`state.VllmEngineState`).
 Must not: import vLLM at module import time of the agent package (it loads only when this backend is chosen),
 translate protobuf, or tokenize.
 
@@ -66,6 +71,8 @@ from engine_agent.domain import (
     Usage,
 )
 from engine_agent.lens import FitOutcome, LensConfig, LensController, PlanLimits, QueueView
+from engine_agent.lens.perf_model import import_fit_dependencies
+from engine_agent.qoe_tracker import LoadJoin, QoETracker
 from switchyard.clock import Clock
 from switchyard.roles import PREFILL_ROLE
 
@@ -164,6 +171,8 @@ class VllmBackend:
         self._stopping = False  # set by `stop`: no background task is born after it
         self._view: QueueView | None = None
         self._handoffs: set[asyncio.Task[None]] = set()  # the prefill role's cuts in progress
+        self._qoe = QoETracker()
+        self._qoe_join = LoadJoin(self._qoe)
 
     # -- protocol: static --------------------------------------------------------------------------------
 
@@ -223,7 +232,7 @@ class VllmBackend:
             hidden_state_interval=self._hidden_state_interval,
             kv_bytes_per_token=self._kv_bytes_per_token,
         )
-        self._state.set_capacity(max(blocks - 1, 0))
+        self._state.set_capacity(max(blocks - 1, 0), tensor_parallel=int(parallel.tensor_parallel_size))
         self._lens = LensController(
             PlanLimits(
                 max_num_seqs=self._static.max_num_seqs,
@@ -263,6 +272,8 @@ class VllmBackend:
             os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.nixl_side_channel_host
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+
+        import_fit_dependencies()  # scipy, which the QoE refits (in `stats`, on the loop) import lazily
 
         args = engine_args(self._model_dir, self._model_name, self._engine_id, cfg, ENGINE_SIDE)
         vllm_config = args.create_engine_config()
@@ -448,6 +459,8 @@ class VllmBackend:
                     now = clock.now()
                     first = first_s if first_s is not None else now
                     produced = len(stream.output_ids)
+                    if completion.finish_reason in ("stop", "length"):
+                        self._qoe_join.on_finish(stream.internal_id, now - admitted_s, produced)
                     if self._lens is not None and ticket is None and produced > 1:
                         self._lens.on_request_finished(
                             first - admitted_s, (now - first) / (produced - 1), produced
@@ -605,7 +618,8 @@ class VllmBackend:
     # -- protocol: state -----------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return self._state.stats(ready=self._llm is not None and not self._llm.errored)
+        ready = self._llm is not None and not self._llm.errored
+        return self._state.stats(ready=ready, qoe=self._qoe.report())
 
     async def wait_for_change(self, after_version: int, timeout_s: float) -> int:
         return await self._state.wait_for_change(after_version, timeout_s)
@@ -676,6 +690,8 @@ class VllmBackend:
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         self._state.apply(state)
+        for internal_id, mean_f in state.get("qoe_loads", {}).items():
+            self._qoe_join.on_load(internal_id, mean_f)
         lens = self._lens
         if lens is None:
             return

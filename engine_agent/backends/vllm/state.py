@@ -10,6 +10,14 @@ token figures forward (computed tokens join the running batch, prefill tokens le
 Watchers are woken only on a significant change (running or waiting counts move, or free KV moves by at least
 1% of the cache); the rest reaches them on the WatchState interval, as with the sim backend.
 
+KV pull throughput (CascadeInfer, `EngineStats.transfer_bytes_per_s`): NIXL measures every READ it completes
+and vLLM hands the measurements to the stat logger in `SchedulerStats.kv_connector_stats`
+(`transfer_duration`, seconds, and `bytes_transferred`, one entry per READ). With the agent's NixlConnector in
+pull mode every READ on this engine is a migrated-in request's pull, so each counts in a `TransferRate`. With
+tensor parallelism each rank reads its own shard, one entry per rank; the ranks read at once, so the engine's
+throughput is taken as the per-READ figure times the tensor-parallel size (set by `set_capacity`). Handshakes
+and queueing before the READ are not in NIXL's duration.
+
 Owns: `VllmEngineState`, `IterationSample`, `make_stat_logger`.
 Must not: call into vLLM (it receives what the logger and the poller read) or read the wall clock directly.
 """
@@ -22,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_agent.backends.changes import VersionSignal
-from engine_agent.domain import EngineStats, LensFigures
+from engine_agent.domain import EngineStats, LensFigures, QoEFigures
+from engine_agent.transfer_rate import TransferRate
 from switchyard.clock import Clock
 
 _ITERATIONS_KEPT = 4096
@@ -63,17 +72,25 @@ class VllmEngineState:
         self._published: tuple[int, int, int] = (0, 0, -1)
         self._read_members: tuple[int, int] = (-1, -1)  # (running, waiting) at the last scheduler read
         self._read_request = VersionSignal()
+        self._transfer = TransferRate()
+        self._pull_ranks = 1  # tensor-parallel ranks reading a pull's shards at once
         self.lens = LensFigures()
 
     @property
     def iterations(self) -> tuple[IterationSample, ...]:
         return tuple(self._iterations)
 
-    def set_capacity(self, kv_blocks_total: int) -> None:
+    def set_capacity(self, kv_blocks_total: int, *, tensor_parallel: int = 1) -> None:
         self._kv_total = self._kv_free = kv_blocks_total
+        self._pull_ranks = max(tensor_parallel, 1)
         self.publish()
 
-    def stats(self, *, ready: bool) -> EngineStats:
+    @property
+    def transfer(self) -> TransferRate:
+        """The per-READ throughput of this engine's KV pulls (one rank's, see the module docstring)."""
+        return self._transfer
+
+    def stats(self, *, ready: bool, qoe: QoEFigures | None = None) -> EngineStats:
         sched = self._sched
         return EngineStats(
             timestamp_s=self._clock.now(),
@@ -90,6 +107,8 @@ class VllmEngineState:
             last_iteration_s=self._last_iteration_s,
             iterations_total=self._iterations_total,
             lens=self.lens,
+            qoe=qoe,
+            transfer_bytes_per_s=self._transfer.bytes_per_s * self._pull_ranks,
         )
 
     async def wait_for_change(self, after_version: int, timeout_s: float) -> int:
@@ -132,6 +151,7 @@ class VllmEngineState:
             details = scheduler_stats.iteration_details
             if details is not None and not getattr(details, "is_dummy", False):
                 self._record(details)
+            self._record_pulls(getattr(scheduler_stats, "kv_connector_stats", None))
             members = (self._num_running, self._num_waiting)
             if members != self._read_members:
                 self._read_members = members  # asked once per change; `apply` sets the exact figures
@@ -158,6 +178,17 @@ class VllmEngineState:
             sched["pending_prefill_tokens"] = max(pending, 0)
         self._iterations.append(sample)
         self._on_iteration(sample)
+
+    def _record_pulls(self, connector_stats: Any) -> None:
+        """NIXL's READs completed since the last step (module docstring); nothing without a connector."""
+        if not isinstance(connector_stats, dict):
+            return
+        durations = connector_stats.get("transfer_duration")
+        sizes = connector_stats.get("bytes_transferred")
+        if not durations or not sizes or len(durations) != len(sizes):
+            return
+        for seconds, kv_bytes in zip(durations, sizes, strict=True):
+            self._transfer.observe(float(kv_bytes), float(seconds))
 
     def publish(self) -> None:
         """Advance the visible version on a significant change and wake `wait_for_change`."""

@@ -52,8 +52,54 @@ def test_gpu_specs_follow_cauchy_table_1(gpu: str, tflops: float, bandwidth_gb_s
         tflops, bandwidth_gb_s, memory_gb, price_usd)
 
 
-def test_catalogue_covers_the_ten_gpus() -> None:
-    assert set(GPUS) == {"h100", "a100", "a6000", "h20", "h800", "a800", "l40", "rtx4090", "a10", "mi210"}
+def test_catalogue_covers_the_eleven_gpus() -> None:
+    assert set(GPUS) == {"h100", "a100", "a6000", "h20", "h20e", "h800", "a800", "l40", "rtx4090", "a10",
+                         "mi210"}
+
+
+# ------------------------------------------------------------------ CascadeInfer's 128K models and 141 GB H20
+
+
+@pytest.mark.parametrize(
+    ("model", "published_params", "kv_bytes_per_token"),
+    [  # the models' cards: 3.21B, 8.03B, 70.6B; KV = 2 (K and V) x layers x KV heads x head_dim x 2 bytes
+        ("llama3.2-3b", 3.21e9, 2 * 28 * 8 * 128 * 2),
+        ("llama3.1-8b", 8.03e9, 2 * 32 * 8 * 128 * 2),
+        ("llama3.1-70b", 70.6e9, 2 * 80 * 8 * 128 * 2),
+    ],
+)
+def test_cascadeinfer_models_derive_published_sizes(model: str, published_params: float,
+                                                    kv_bytes_per_token: int) -> None:
+    shape = MODELS[model]
+    assert shape.num_params == pytest.approx(published_params, rel=0.01)
+    assert shape.kv_bytes_per_token == kv_bytes_per_token
+    assert shape.max_context_tokens == 131072 and shape.head_dim == 128
+    assert not (shape.qkv_bias or shape.qk_norm)
+    assert shape.tie_word_embeddings == (model == "llama3.2-3b")
+
+
+def test_llama3_2_3b_ties_its_lm_head_and_llama3_1_keeps_llama3s_weights() -> None:
+    assert MODELS["llama3.2-3b"].num_params == 3_212_749_824  # no separate 128256 x 3072 LM head
+    assert MODELS["llama3.2-3b"].kv_bytes_per_token == 114_688
+    for size in ("8b", "70b"):
+        assert MODELS[f"llama3.1-{size}"].num_params == MODELS[f"llama3-{size}"].num_params
+        assert MODELS[f"llama3.1-{size}"].kv_bytes_per_token == MODELS[f"llama3-{size}"].kv_bytes_per_token
+
+
+def test_h20_141gb_spec_and_its_profiles() -> None:
+    spec = GPUS["h20e"]
+    assert (spec.display_name, spec.dense_bf16_tflops, spec.memory_bandwidth_gb_s, spec.memory_gb) == (
+        "H20-141GB", 148.0, 4800.0, 141.0)
+    assert spec.interconnect_gb_s == GPUS["h20"].interconnect_gb_s == 450.0
+    names = set(known_profiles())
+    assert {"h20e-llama3.2-3b", "h20e-llama3.1-8b", "h20ex4-llama3.1-70b", "h20ex8-llama3.1-70b"} <= names
+    profile = get_profile("h20e-llama3.2-3b")
+    assert profile.gpu is spec and profile.max_num_seqs == 1024  # CascadeInfer's batch cap, vLLM's default
+    assert profile.kv_capacity_tokens >= MIN_FULL_CONTEXTS * 131072
+    # The paper's TP 2 for Llama-3.1-70B holds fewer than four 128K contexts: a shape, not a registry profile.
+    assert "h20ex2-llama3.1-70b" not in names
+    tp2 = get_profile("h20ex2-llama3.1-70b")
+    assert tp2.tensor_parallel == 2 and tp2.max_num_seqs == 1024 and tp2.kv_capacity_tokens >= 131072
 
 
 def test_kv_blocks_follow_the_memory_formula() -> None:

@@ -147,6 +147,28 @@ def test_kv_exhaustion_preempts_most_recent_and_recomputes() -> None:
     assert (stats.pending_prefill_tokens, stats.running_batch_tokens, stats.num_running) == (0, 0, 0)
 
 
+def test_recorded_batches_list_the_scheduled_sequences_and_their_lengths() -> None:
+    """`record_batches` (CascadeInfer's batch loads): the same run as above; a preempted request leaves the
+    batch, a chunked or recomputing prefill is in it with the tokens computed so far."""
+    assert SimEngine(BASE).step(0.0).batch is None  # off by default (and nothing to run)
+    engine = SimEngine(profile(num_gpu_blocks_override=8, max_batched_tokens=512), record_batches=True)
+    engine.add_request(request("a", 48, max_tokens=40, ignore_eos=True), 0.0)
+    engine.add_request(request("b", 48, max_tokens=40, ignore_eos=True), 0.0)
+    results, _, _ = run_all(engine)
+    columns = [(list(r.batch.request_ids), list(r.batch.prompt_tokens), list(r.batch.current_tokens))
+               for r in results if r.batch is not None]
+    assert len(columns) == len(results) == 63
+    assert columns[0] == (["a", "b"], [48, 48], [48, 48])
+    assert columns[16] == (["a", "b"], [48, 48], [64, 64])
+    assert columns[17] == (["a"], [48], [65])  # b preempted in this step
+    assert columns[40] == (["b"], [48], [65])  # b recomputes prompt + 17 tokens
+    for result in results:
+        assert result.batch is not None
+        record = result.record
+        assert len(result.batch.request_ids) == record.num_prefill_seqs + record.num_decode_seqs
+        assert sum(result.batch.current_tokens) == record.batch_context_tokens
+
+
 def test_preempted_request_counts_as_waiting_with_reserved_blocks() -> None:
     engine = SimEngine(profile(num_gpu_blocks_override=8, max_batched_tokens=512))
     engine.add_request(request("a", 48, max_tokens=40, ignore_eos=True), 0.0)

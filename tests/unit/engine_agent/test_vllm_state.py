@@ -54,6 +54,22 @@ def test_steps_carry_token_figures_and_request_reads_on_membership_change() -> N
     assert state.read_request_version == asked + 2
 
 
+def test_nixl_reads_set_the_pull_throughput_scaled_by_the_ranks_reading_at_once() -> None:
+    state = VllmEngineState(ManualClock(), on_iteration=lambda sample: None)
+    state.set_capacity(100, tensor_parallel=2)
+    state.on_step(_step(1, 0, decode=1))  # no connector stats (the test double has none): nothing measured
+    assert state.stats(ready=True).transfer_bytes_per_s == 0.0
+    step = _step(1, 0, decode=1)
+    # Two ranks' READs of one pull (vLLM's NixlKVConnectorStats payload: seconds and bytes per READ).
+    step.kv_connector_stats = {"transfer_duration": [0.002, 0.002], "bytes_transferred": [2e6, 2e6],
+                               "num_failed_transfers": []}
+    state.on_step(step)
+    assert state.stats(ready=True).transfer_bytes_per_s == 2 * 1e9
+    step.kv_connector_stats = {"transfer_duration": [], "bytes_transferred": [], "num_failed_transfers": [1]}
+    state.on_step(step)  # a failed transfer only: not a pull
+    assert state.stats(ready=True).transfer_bytes_per_s == 2 * 1e9 and state.transfer.pulls == 2
+
+
 def test_openmp_bind_list_items() -> None:
     from engine_agent.backends.vllm.backend import _core_range  # noqa: PLC0415 (vLLM itself loads lazily)
 

@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 
 from gateway.cluster.state import ClusterState
-from gateway.domain import EngineDescription, EngineId, EngineReport, FutureLoad, LensState, RequestPrediction
+from gateway.domain import (
+    EngineDescription,
+    EngineId,
+    EngineReport,
+    FutureLoad,
+    LensState,
+    QoEReport,
+    RequestPrediction,
+)
 
 A, B = EngineId("a"), EngineId("b")
 STATE_PY = Path(__file__).resolve().parents[3] / "gateway" / "cluster" / "state.py"
@@ -96,6 +104,23 @@ def test_views_carry_the_hardware_price_and_combo_stale_or_not() -> None:
     for view in (fresh, stale):
         assert (view.gpu, view.tensor_parallel, view.hourly_price_usd, view.combo) == (
             "H20-NVL-96GB", 2, 3.0, "1xh800+2xh20")
+
+
+def test_views_carry_the_qoe_fit_and_pull_throughput_stale_or_not() -> None:
+    """CascadeInfer: properties of the engine, not of its load, so a stale view keeps them; the agent pushes
+    them in every report, so the latest report's values win (None / 0 when it has none)."""
+    state = connected(A, now_s=0.0)
+    assert (state.snapshot(0.0).engines[0].qoe, state.snapshot(0.0).engines[0].transfer_bytes_per_s) == (
+        None, 0.0)
+    qoe = QoEReport(d=(7e-3, 3.4e-5, 1.2e-7, 1.4e-12, 0.0), samples=400, mean_relative_error=0.06)
+    state.on_report(A, report(2, 0.1, qoe=qoe, transfer_bytes_per_s=2.5e10), 0.1)
+    fresh, stale = state.snapshot(0.1).engines[0], state.snapshot(5.0).engines[0]
+    assert not fresh.stale and stale.stale
+    for view in (fresh, stale):
+        assert (view.qoe, view.transfer_bytes_per_s) == (qoe, 2.5e10)
+    state.on_report(A, report(3, 5.0), 5.0)  # e.g. a restarted agent: no fit yet
+    assert (state.snapshot(5.0).engines[0].qoe, state.snapshot(5.0).engines[0].transfer_bytes_per_s) == (
+        None, 0.0)
 
 
 def test_staleness_follows_the_time_argument() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import grpc.aio
@@ -18,8 +19,9 @@ from gateway.domain import (
     EngineStreamError,
     EngineUnavailable,
     Finished,
+    QoEReport,
 )
-from gateway.engines.grpc_client import GrpcEngineClient, to_generate_request
+from gateway.engines.grpc_client import GrpcEngineClient, from_engine_state, to_generate_request
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
@@ -214,3 +216,31 @@ def test_request_translation() -> None:
     assert not ids.sampling.HasField("seed")
     with pytest.raises(EngineRequestError):
         to_generate_request(EngineRequest(request_id="r", model="m"))
+
+
+def test_engine_state_carries_the_qoe_fit_and_pull_throughput_across_the_wire() -> None:
+    """CascadeInfer: the agent's `proto_codec.engine_state` and this client's `from_engine_state`, the one
+    translation (the simulator calls the same two)."""
+    from engine_agent.domain import EngineStats, QoEFigures  # noqa: PLC0415 - the agent's half, for this test
+    from engine_agent.proto_codec import engine_state  # noqa: PLC0415
+
+    stats = EngineStats(timestamp_s=1.0, ready=True, draining=False, num_running=0, num_waiting=0,
+                        num_preempted_total=0, kv_blocks_total=10, kv_blocks_free=10, kv_blocks_reserved=0,
+                        pending_prefill_tokens=0, running_batch_tokens=0, last_iteration_s=0.0,
+                        iterations_total=0)
+
+    def over_the_wire(s: EngineStats) -> pb.EngineState:
+        wire = engine_state(s, identity=IDENTITY, seq=1, draining=False, started=True)
+        return pb.EngineState.FromString(wire.SerializeToString())
+
+    d = (7e-3, 3.4e-5, 1.2e-7, 1.4e-12, 0.0)
+    fitted = replace(stats, qoe=QoEFigures(d, 2000, 0.057), transfer_bytes_per_s=2.5e10)
+    report = from_engine_state(over_the_wire(fitted))
+    assert report.qoe == QoEReport(d=d, samples=2000, mean_relative_error=0.057)
+    assert report.transfer_bytes_per_s == 2.5e10
+    unfitted = over_the_wire(stats)
+    assert not unfitted.HasField("qoe")
+    report = from_engine_state(unfitted)
+    assert (report.qoe, report.transfer_bytes_per_s) == (None, 0.0)
+    unfitted.qoe.d.extend((1.0, 2.0))  # not Eq. 1's five coefficients: no fit
+    assert from_engine_state(unfitted).qoe is None

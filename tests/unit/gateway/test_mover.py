@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +18,10 @@ from gateway.domain import (
     EngineId,
     EngineRequest,
     EngineUnavailable,
+    LengthStage,
     MigrationRefusedError,
     MigrationTicket,
+    StageLayout,
     StreamEvent,
 )
 from gateway.engines.base import EngineClient
@@ -143,18 +145,33 @@ async def test_the_reschedule_loop_hands_each_models_proposal_to_the_mover() -> 
         source: EngineId
         target: EngineId
 
-    def propose(
-        snap: ClusterSnapshot, model: str, exclude: frozenset[str], busy: frozenset[str]
-    ) -> Proposal | None:
-        seen.append((model, exclude, busy))
-        return Proposal("r1", A, B) if model == "m" else None
+    class Proposer:
+        def __init__(self) -> None:
+            self.refused: list[tuple[str, int]] = []
 
-    loop = RescheduleLoop(m, fleet.snapshot, propose, 0.5, GatewayMetrics())
+        def propose(
+            self, snap: ClusterSnapshot, model: str, exclude: frozenset[str], busy: frozenset[str],
+            now_s: float,
+        ) -> list[Proposal]:
+            seen.append((model, exclude, busy))
+            return [Proposal("r1", A, B)] if model == "m" else []
+
+        def not_started(self, proposal: Proposal, status: int) -> None:
+            self.refused.append((proposal.request_id, status))
+
+        def layouts(self) -> dict[str, StageLayout]:
+            return {"m": StageLayout("m", (LengthStage(0, 100, (A, B)),))}
+
+    published: list[Mapping[str, StageLayout]] = []
+    proposer = Proposer()
+    loop = RescheduleLoop(m, fleet.snapshot, proposer, 0.5, GatewayMetrics(), clock, published.append)
     assert await loop.once() == 1
     assert [s[0] for s in seen] == ["m", "other"]
     clock.advance(10.0)
     assert await loop.once() == 0  # the engine refused: logged, not raised
     assert seen[-2][1] == frozenset() and source.cuts == [("r1", "b"), ("r1", "b")]
+    assert proposer.refused == [("r1", 409)]  # handed back to the rescheduler
+    assert len(published) == 2 and published[0]["m"].stages[0].engines == (A, B)
 
 
 async def test_admin_migrate_needs_the_flag_and_with_keys_an_admin_key(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from gateway.policies.base import Policy
 from gateway.policies.goodput_rr import GoodputRRParams, GoodputRRPolicy
 from gateway.policies.latency_based import LatencyBasedParams, LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedParams, LeastLoadedPolicy
+from gateway.policies.length_stages import LengthStagesPolicy, LengthStagesPolicyParams
 from gateway.policies.params import PolicyParams
 from gateway.policies.prism import PrismParams, PrismPolicy, PrismWeights
 from gateway.policies.registry import POLICY_NAMES, PolicyParamsError, make_policy
@@ -46,6 +47,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("goodput_rr", {"intra": "least"}, "intra: Input should be 'opportunistic' or 'rr'"),
     ("goodput_rr", {"goodput": {"a": -2.0}}, "goodput.a: Input should be greater than or equal to 0"),
     ("goodput_rr", {"slo_ttft_s": 0}, "slo_ttft_s: Input should be greater than 0"),
+    ("length_stages", {"within": "random"}, "within: Input should be 'bid' or 'round_robin'"),
+    ("length_stages", {"kv_link_gbps": 0.0}, "kv_link_gbps: Input should be greater than 0"),
     ("prism", {"weight": {"load": 1}}, "weight: Extra inputs are not permitted"),
     ("prism", {"weights": {"speed": 1}}, "weights.speed: Extra inputs are not permitted"),
     ("prism", {"weights": {"latency": "1"}}, "weights.latency: Input should be a valid number"),
@@ -75,8 +78,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "session_affinity",
         {"fallback": "nope"},
-        "fallback: unknown policy 'nope'; known: goodput_rr, latency_based, least_loaded, prism, "
-        "round_robin, static_weighted",
+        "fallback: unknown policy 'nope'; known: goodput_rr, latency_based, least_loaded, length_stages, "
+        "prism, round_robin, static_weighted",
     ),
     ("session_affinity", {"fallback_params": "x"}, "fallback_params: Input should be a valid dictionary"),
     (
@@ -129,6 +132,7 @@ DEFAULTS: list[tuple[str, type[PolicyParams], dict[str, Any]]] = [
     ("least_loaded", LeastLoadedParams, {"measure": "tokens"}),
     ("latency_based", LatencyBasedParams, {"metric": "e2e"}),
     ("static_weighted", StaticWeightedParams, {"weights": {}, "default_weight": 1.0}),
+    ("length_stages", LengthStagesPolicyParams, {"within": "bid", "kv_link_gbps": 25.0}),
     ("goodput_rr", GoodputRRParams,
      {"weights": "plan", "goodput": {}, "intra": "opportunistic", "tolerance": 0.1, "slo_ttft_s": None}),
     (
@@ -187,6 +191,8 @@ VALID: list[tuple[str, dict[str, Any], Policy]] = [
         {"weights": {"a": 3, "b": 1.5}, "default_weight": 0},
         StaticWeightedPolicy(StaticWeightedParams(weights={"a": 3.0, "b": 1.5}, default_weight=0.0)),
     ),
+    ("length_stages", {"within": "round_robin"},
+     LengthStagesPolicy(LengthStagesPolicyParams(within="round_robin"))),
     (
         "goodput_rr",
         {"weights": "measured", "goodput": {"a": 2}, "intra": "rr", "slo_ttft_s": 1},
