@@ -39,7 +39,7 @@ from gateway.cluster.health import OutlierParams
 from gateway.cluster.store import ClusterStore
 from gateway.config import ConfigError, GatewayConfig, load_plan_document, log_effective_config
 from gateway.dispatch.dispatcher import Dispatcher
-from gateway.dispatch.mover import MoveParams, Mover, RescheduleLoop, Rescheduler
+from gateway.dispatch.mover import MoveParams, Mover, RescheduleLoop, Rescheduler, move_params_for
 from gateway.dispatch.policy_set import PolicySet
 from gateway.dispatch.retry import RetryBudget, RetryParams
 from gateway.dispatch.stall import StallWatch
@@ -56,7 +56,6 @@ from gateway.observability.siblings import SiblingScrape
 from gateway.planning.plan_file import parse_plan
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.rescheduling.length_stages import (
-    MAX_MOVES_PER_REQUEST,
     LengthStages,
     LengthStagesParams,
     StagesConfigError,
@@ -181,11 +180,8 @@ def build_app(
     handlers.add_routes(app)
     rs = config.reschedule
     rescheduler = _rescheduler(rs.policy, rs.params, rs.interval_s) if rs.policy != "none" else None
-    if isinstance(rescheduler, LengthStages):  # it paces its own transfers (RescheduleConfig.policy)
-        move_params = MoveParams(MAX_MOVES_PER_REQUEST, 0.0, 0.0)
-    else:
-        move_params = MoveParams(rs.max_migrations_per_request, rs.request_cooldown_s, rs.engine_cooldown_s)
-    mover = Mover(store, clock, metrics, move_params)
+    configured = MoveParams(rs.max_migrations_per_request, rs.request_cooldown_s, rs.engine_cooldown_s)
+    mover = Mover(store, clock, metrics, move_params_for(rescheduler, configured))
     app[MOVER_KEY] = mover
     if rescheduler is not None:
         reschedule = RescheduleLoop(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -77,6 +78,7 @@ from loadgen.paths import DataDirNotFoundError, resolve_data_dir
 from loadgen.results import write_results
 from loadgen.simulate import DECIDER_ASSIGNMENTS, EngineSpec, SimOptions, parse_engines, simulate
 from loadgen.simulate.balance import balance_figures, format_balance_table
+from loadgen.simulate.fleet import engine_ids
 from loadgen.simulate.spec import PREDICTOR_BINS, RESCHEDULE_ARMS, RescheduleArm, Scaling, SimResult
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
@@ -439,7 +441,7 @@ def _stages_start(args: argparse.Namespace, engines: Sequence[EngineSpec]
             doc = json.loads(Path(str(path)).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise UsageError(f"--reschedule-param plan: cannot read {path}: {exc}") from None
-        ids = [f"{spec.profile}-{i}" for spec in engines for i in range(spec.count)]
+        ids = [engine_id for _, engine_id in engine_ids(engines)]
         try:
             plan = StagesPlanFile.parse(doc, "--reschedule-param plan")
             plan.check_engines(ids, "--reschedule-param plan")
@@ -449,11 +451,19 @@ def _stages_start(args: argparse.Namespace, engines: Sequence[EngineSpec]
     if args.timestamps or args.num_requests is None or args.dataset.startswith(("jsonl:", "sharegpt:")):
         return None, ()
     try:
-        requests = load_dataset(args.dataset, resolve_data_dir(args.data_dir), seed=args.seed)
+        return None, _dataset_lengths_after(args.dataset, resolve_data_dir(args.data_dir), args.seed,
+                                            args.num_requests)
     except (DataDirNotFoundError, ValueError):
         return None, ()
-    later = requests[args.num_requests:args.num_requests + STAGES_HISTORY_REQUESTS]
-    return None, tuple((r.prompt_tokens, r.output_tokens) for r in later if r.output_tokens)
+
+
+@functools.lru_cache(maxsize=4)
+def _dataset_lengths_after(dataset: str, data_dir: Path | None, seed: int, start: int
+                           ) -> tuple[tuple[int, int], ...]:
+    """(I, O) of the `STAGES_HISTORY_REQUESTS` requests after the first `start` (read once per run, however
+    many variants a comparison simulates)."""
+    later = load_dataset(dataset, data_dir, seed=seed)[start:start + STAGES_HISTORY_REQUESTS]
+    return tuple((r.prompt_tokens, r.output_tokens) for r in later if r.output_tokens)
 
 
 def _star_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from gateway.domain import (
 )
 from gateway.engines.base import EngineClient, MigratingClient
 from gateway.observability.metrics import GatewayMetrics
+from gateway.rescheduling.length_stages import MAX_MOVES_PER_REQUEST, LengthStages
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,14 @@ class Proposal(Protocol):
 
     @property
     def target(self) -> EngineId: ...
+
+
+def move_params_for(rescheduler: object, configured: MoveParams) -> MoveParams:
+    """The mover's limits under `rescheduler`, live and simulated: CascadeInfer's (`LengthStages`) paces its
+    own transfers, so no cooldowns and its own per-request cap; any other keeps `configured`."""
+    if isinstance(rescheduler, LengthStages):
+        return MoveParams(MAX_MOVES_PER_REQUEST, 0.0, 0.0)
+    return configured
 
 
 class Rescheduler(Protocol):

@@ -153,20 +153,28 @@ def combo_engines(combo_id: str, model: str) -> list[tuple[str, str]]:
     return engines
 
 
+def engine_ids(engines: Sequence[EngineSpec], counts: dict[str, int] | None = None
+               ) -> list[tuple[EngineSpec, str]]:
+    """Each engine of `engines` with its id `{profile}-{i}`, i counted per profile across specs from `counts`
+    (engines numbered so far, updated; None: from 0)."""
+    counts = {} if counts is None else counts
+    out = []
+    for spec in engines:
+        for _ in range(spec.count):
+            index = counts.get(spec.profile, 0)
+            counts[spec.profile] = index + 1
+            out.append((spec, f"{spec.profile}-{index}"))
+    return out
+
+
 def build_fleet(engines: Sequence[EngineSpec], options: SimOptions,
                 counts: dict[str, int] | None = None) -> list[SimNode]:
     """The engines of `engines`, in spec order; ValueError when empty. `counts`: engines numbered so far per
     profile (updated), for engines that join later."""
     if not engines:
         raise ValueError("a simulation needs at least one engine")
-    counts = {} if counts is None else counts
-    nodes = []
-    for spec in engines:
-        for _ in range(spec.count):
-            index = counts.get(spec.profile, 0)
-            counts[spec.profile] = index + 1
-            nodes.append(SimNode(f"{spec.profile}-{index}", spec.profile, options, spec.lens, spec.combo,
-                                 role=spec.role))
+    nodes = [SimNode(engine_id, spec.profile, options, spec.lens, spec.combo, role=spec.role)
+             for spec, engine_id in engine_ids(engines, counts)]
     if options.reschedule != "none":
         _attach_rounds(nodes, options)
     return nodes

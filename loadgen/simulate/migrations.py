@@ -51,9 +51,9 @@ from typing import Any
 from engine_agent.domain import BackendRequest, MigrationRefused, RequestId
 from engine_agent.sim.migration import MigrationCut
 from gateway.dispatch.life import ChoiceLife, StreamFailed, record_dispatch, record_outcome
-from gateway.dispatch.mover import MoveError, MoveLimits, MoveParams, Rescheduler, check_target
+from gateway.dispatch.mover import MoveError, MoveLimits, Rescheduler, check_target, move_params_for
 from gateway.domain import EngineId, MigrationTicket
-from gateway.rescheduling.length_stages import MAX_MOVES_PER_REQUEST, LengthStages
+from gateway.rescheduling.length_stages import LengthStages
 from gateway.rescheduling.star import StarRescheduler
 from loadgen.simulate.balance import percentiles_ms
 from loadgen.simulate.deciders import Decider
@@ -135,9 +135,7 @@ class Migrations:
         self._link_bytes_per_s = options.kv_link_gbps * 1e9 / BITS_PER_BYTE
         self._latency_s = options.kv_transfer_latency_s
         self._deciders = deciders
-        move_params = (MoveParams(MAX_MOVES_PER_REQUEST, 0.0, 0.0) if options.reschedule == "length_stages"
-                       else options.move_params)  # CascadeInfer paces its own transfers (as live)
-        self._limits = [MoveLimits(move_params) for _ in deciders]
+        self._limits = [MoveLimits(move_params_for(r, options.move_params)) for r in self._reschedulers]
         self.stats = [MoveStats() for _ in deciders]
         self._nodes = nodes
         self._info = info
