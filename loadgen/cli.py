@@ -55,6 +55,7 @@ from loadgen.compare import (
     format_table,
     mean_over_seeds,
     run_comparison,
+    stages_ablation_variants,
     with_deciders,
 )
 from loadgen.datasets import (
@@ -268,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--ablation", action="store_true",
                       help="NexusSched's four arms instead of --policies: static budget or LENS, each with "
                            "round_robin and prism")
+    cmp_.add_argument("--stages-ablation", action="store_true",
+                      help="CascadeInfer's arms instead of --policies (length_stages each, needs "
+                           "--reschedule length_stages): the --reschedule-param system, then "
+                           "layout=dp|chain|single, refine=count|memory|off, balance=handover|round_robin")
     cascade_plan.add_parser(sub)
     return parser
 
@@ -626,7 +631,12 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
 def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:
     from gateway.policies.registry import make_policy  # noqa: PLC0415
 
+    if args.ablation and args.stages_ablation:
+        raise UsageError("--ablation and --stages-ablation are two different comparisons: pick one")
+    if args.stages_ablation and tuple(args.reschedule or ()) != ("length_stages",):
+        raise UsageError("--stages-ablation needs --reschedule length_stages (and no other arm)")
     policies = ([arm[1] for arm in ABLATION_ARMS[::2]] if args.ablation
+                else ["length_stages"] if args.stages_ablation
                 else [p.strip() for p in args.policies.split(",") if p.strip()])
     scaling = _scaling(args)
     if scaling is not None and args.engines_list:
@@ -646,10 +656,13 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
         except ValueError:
             raise UsageError(f"--rates: expected numbers like 2,4,8, got {args.rates!r}") from None
     variants = with_deciders(ablation_variants(fleets, params) if args.ablation
+                             else stages_ablation_variants(fleets, params) if args.stages_ablation
                              else build_variants(policies, fleets, params), args.deciders)
     seeds = args.seeds
-    runs = _arm_runs(args, requests, spec, variants, _sim_options(args, policies[0], fleets[0]), rates, seeds,
-                     scaling)
+    arms = tuple(args.reschedule or ())
+    first_arm: RescheduleArm = "length_stages" if "length_stages" in arms else (arms[0] if arms else "none")
+    options = _sim_options(args, policies[0], fleets[0], arm=first_arm)
+    runs = _arm_runs(args, requests, spec, variants, options, rates, seeds, scaling)
     means = mean_over_seeds(runs) if seeds is not None and len(seeds) > 1 else None
     shown = runs if means is None else [{**run, "label": f"{run['label']} s={run['seed']}"} for run in runs]
     print(format_table(shown))
@@ -667,7 +680,8 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
         path.parent.mkdir(parents=True, exist_ok=True)
         config = {**_base_config(args, spec), "policies": policies, "engines_list": mixes, "rates": rates,
                   "policy_params": params, "lens": args.lens, "lens_state": not args.no_lens_state,
-                  "ablation": args.ablation, "deciders": list(args.deciders),
+                  "ablation": args.ablation, "stages_ablation": args.stages_ablation,
+                  "deciders": list(args.deciders),
                   "decider_assignment": args.decider_assignment,
                   "state_interval_ms": args.state_interval_ms, "report_delay_ms": args.report_delay_ms,
                   "seeds": list(seeds) if seeds is not None else None,
@@ -691,7 +705,10 @@ def _arm_runs(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
     (`reschedule`, None without the flag) and its load-balance figures (`balance`); labels gain the arm when
     there are several. Runs in (rate, seed) order, then arm, then variant."""
     arms: Sequence[RescheduleArm | None] = args.reschedule or (None,)
-    per_arm = [replace(options, reschedule=arm or "none") for arm in arms]  # every arm checked up front
+    per_arm = [replace(options, reschedule=arm or "none")  # every arm checked up front
+               if arm == "length_stages" else
+               replace(options, reschedule=arm or "none", stages_plan=None, stages_history=())
+               for arm in arms]
     runs: list[dict[str, Any]] = []
     for arm, opts in zip(arms, per_arm, strict=True):
         labelled = [replace(v, label=f"{v.label} {arm}") for v in variants] if len(arms) > 1 else variants

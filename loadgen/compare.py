@@ -2,7 +2,8 @@
 
 Owns: ``Variant`` (a label, a policy with its parameters, an engine mix, LENS planning on or off and the
 number of gateway workers deciding independently), building the variants from policy and fleet lists (and
-NexusSched's four ablation arms, ``ablation_variants``; ``with_deciders`` repeats them per worker count),
+NexusSched's four ablation arms, ``ablation_variants``, and CascadeInfer's, ``stages_ablation_variants``;
+``with_deciders`` repeats them per worker count),
 running the simulator once per (variant, rate, seed) on schedules drawn from one request list (one seed, or a
 seed sweep for replicates, ``mean_over_seeds``), the side-by-side text table, the request share per engine
 type (the paper's Fig. 4b), and the comparison document layout.
@@ -49,7 +50,7 @@ def _no_params() -> Mapping[str, object]:
 class Variant:
     """One column of a comparison: a policy with its parameters on an engine mix; `lens_planning` and
     `deciders` (gateway workers deciding independently, `SimOptions.deciders`) None follow the shared
-    `SimOptions`."""
+    `SimOptions`; `reschedule_params` (not None) are laid over the shared options' rescheduler parameters."""
 
     label: str
     policy: str
@@ -57,6 +58,7 @@ class Variant:
     policy_params: Mapping[str, object] = field(default_factory=_no_params)
     lens_planning: bool | None = None
     deciders: int | None = None
+    reschedule_params: Mapping[str, object] | None = None
 
 
 # NexusSched §7.3's ablation: (label, policy, LENS planning).
@@ -66,6 +68,39 @@ ABLATION_ARMS: tuple[tuple[str, str, bool], ...] = (
     ("static+prism", "prism", False),
     ("lens+prism", "prism", True),
 )
+
+
+# CascadeInfer §6.5's ablation (`compare --stages-ablation`): (label, policy params, length_stages params
+# laid over the command line's). Fig. 14: stage layouts; Fig. 15: boundary refinement; Fig. 16: intra-stage
+# balancing (round robin inside a stage routes round robin too).
+STAGES_ABLATION_ARMS: tuple[tuple[str, Mapping[str, object], Mapping[str, object]], ...] = (
+    ("layout=dp", {}, {"layout": "dp"}),
+    ("layout=chain", {}, {"layout": "chain"}),
+    ("layout=single", {}, {"layout": "single"}),
+    ("refine=count", {}, {"refine": "count"}),
+    ("refine=memory", {}, {"refine": "memory"}),
+    ("refine=off", {}, {"refine": "off"}),
+    ("balance=handover", {}, {"balance": "handover"}),
+    ("balance=round_robin", {"within": "round_robin"}, {"balance": "round_robin"}),
+)
+
+
+def stages_ablation_variants(
+    fleets: Sequence[Sequence[EngineSpec]], policy_params: Mapping[str, object] | None = None
+) -> list[Variant]:
+    """`STAGES_ABLATION_ARMS` (`length_stages` each, the full system first: dp, qoe, bidask by default) on
+    every fleet; needs the `length_stages` rescheduler."""
+    if not fleets:
+        raise ValueError("a comparison needs at least one engine mix")
+    out = []
+    for fleet in fleets:
+        for label, extra_policy, extra_reschedule in STAGES_ABLATION_ARMS:
+            if len(fleets) > 1:
+                label = f"{label} @ {engines_label(fleet)}"
+            out.append(Variant(label, "length_stages", tuple(fleet),
+                               MappingProxyType({**(policy_params or {}), **extra_policy}),
+                               reschedule_params=MappingProxyType(dict(extra_reschedule))))
+    return out
 
 
 def engines_label(engines: Sequence[EngineSpec]) -> str:
@@ -183,12 +218,16 @@ def run_comparison(
                 opts = replace(opts, lens_planning=variant.lens_planning)
             if variant.deciders is not None:
                 opts = replace(opts, deciders=variant.deciders)
+            if variant.reschedule_params is not None:
+                opts = replace(opts,
+                               reschedule_params={**opts.reschedule_params, **variant.reschedule_params})
             result = simulate(plan, [] if scaling is not None else variant.engines, opts, scaling=scaling)
             summary = summarize(result.outcomes, max(result.duration_s, 1e-9), slo).to_dict()
             summary.update(cost_usd=result.cost_usd, tokens_per_usd=result.tokens_per_usd)
             run = {
                 "label": variant.label, "policy": variant.policy,
                 "policy_params": dict(variant.policy_params),
+                "reschedule_params": dict(opts.reschedule_params),
                 "engines": engines_label(variant.engines), "lens_planning": opts.lens_planning,
                 "deciders": opts.deciders, "decider_assignment": opts.decider_assignment,
                 "rate": spec.rate_per_s, "seed": opts.seed, "summary": summary,

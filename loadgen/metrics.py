@@ -43,12 +43,15 @@ class Outcome:
     e2e_s: float | None = None
     error: str | None = None
     engine_id: str | None = None
+    migrations: int | None = None  # times its stream moved to another engine; None: not known (live runs)
 
     def __post_init__(self) -> None:
         if self.success and (self.ttft_s is None or self.e2e_s is None):
             raise ValueError(f"outcome {self.request_id}: a successful request needs ttft_s and e2e_s")
         if self.prompt_tokens < 0 or self.output_tokens < 0:
             raise ValueError(f"outcome {self.request_id}: token counts must be >= 0")
+        if self.migrations is not None and self.migrations < 0:
+            raise ValueError(f"outcome {self.request_id}: migrations must be >= 0")
         if not isinstance(self.itl_s, tuple):
             object.__setattr__(self, "itl_s", tuple(float(x) for x in self.itl_s))
 
@@ -155,6 +158,7 @@ class Summary:
     request_goodput: float | None = None
     slo_attainment: float | None = None
     slo: Slo | None = field(default=None)
+    mean_migrations: float | None = None  # per completed request that records them (simulated runs)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -176,6 +180,7 @@ class Summary:
             for p, value in stats.percentiles_ms:
                 out[f"{percentile_label(p)}_{name}_ms"] = value
         out["slo_attainment"] = self.slo_attainment
+        out["mean_migrations"] = self.mean_migrations
         out["slo"] = None if self.slo is None else {
             "ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "e2e_ms": self.slo.e2e_ms}
         return out
@@ -201,6 +206,7 @@ def summarize(
     total_input = sum(o.prompt_tokens for o in done)
     total_output = sum(o.output_tokens for o in done)
     good = sum(1 for o in outcomes if slo is not None and slo.is_met(o))
+    moves = [o.migrations for o in done if o.migrations is not None]
     return Summary(
         duration_s=duration_s,
         completed=len(done),
@@ -217,4 +223,5 @@ def summarize(
         request_goodput=None if slo is None else good / duration_s,
         slo_attainment=None if slo is None else (good / len(outcomes) if outcomes else 0.0),
         slo=slo,
+        mean_migrations=sum(moves) / len(moves) if moves else None,
     )

@@ -25,7 +25,10 @@ One tick (`propose`, every `interval_s`), per model:
    (`gateway.planning.stages`, the heuristic), "chain" one instance per stage, "single" one stage); engines
    keep their order (a re-plan moves stage walls, not engines past each other). An engine that joins goes to
    the stage with the most tokens per engine; a stage left without an engine merges into its neighbour
-   (its range goes to the stage below, or to the one above for the first).
+   (its range goes to the stage below, or to the one above for the first). Until the first re-plan, an
+   engine the `plan` names that joins or comes back, or any engine joining while a planned stage is merged
+   away, gets the plan laid again over the engines present (planned stages back, not the merged
+   neighbour's: an agent late at start-up, or restarted).
 3. Refinement (§4.3, `refine`). Each engine of a stage below the last has its own upper bound b_e, seeded
    from the plan. R = its own requests plus the successors' union divided by their count (`qoe.divide`),
    sorted by L; "qoe": the split i minimising Q^{R[:i]} + Q^{R[i:]} (Eq. 1 with the engines' pushed fit
@@ -296,6 +299,7 @@ class _Model:
     owed: dict[EngineId, str] = field(default_factory=dict)  # sender -> the starving request it sends next
     free_at: dict[EngineId, float] = field(default_factory=dict)  # sender -> when its last transfer ends
     turn: int = 0  # round robin's counter
+    first_plan: bool = False  # the layout is still the `plan`'s (not re-planned since)
 
 
 class LengthStages:
@@ -406,8 +410,17 @@ class LengthStages:
     def _keep_layout(self, m: _Model, model: str, views: Mapping[EngineId, EngineView],
                      rows: Mapping[str, tuple[EngineId, int, int, bool]], now_s: float) -> None:
         ids = sorted(views)
-        if not m.stages:
+        joined = set(ids) - {e for s in m.stages for e in s.engines}
+        if m.first_plan and joined and self._plan is not None and (
+                joined & {e for s in self._plan.stages for e in s.engines}
+                or len(m.stages) < len(self._plan.stages)):
+            # An engine the plan names joined (or came back), or one joined while a planned stage is merged
+            # away: lay the plan again over the engines present, so an engine late at start-up, or restarted,
+            # gets its planned stage back instead of the merged neighbour's.
             m.stages = self._first_layout(model, ids)
+        elif not m.stages:
+            m.stages = self._first_layout(model, ids)
+            m.first_plan = self._plan is not None
             if self._plan is None and len(m.window) >= self.params.min_requests:
                 m.stages = self._replan(m, views) or m.stages
             m.planned_at_s = now_s
@@ -417,6 +430,7 @@ class LengthStages:
             m.planned_at_s = now_s
             if replanned is not None:
                 m.stages = replanned
+                m.first_plan = False
                 self.counts["replans"] += 1
         present = set(ids)
         for s in m.stages:  # engines that left

@@ -314,14 +314,16 @@ class Migrations:
         if released is not None:
             decider.state.note_finish(released, life.request.request_id)
 
-    def on_finished(self, request_id: str, times: Sequence[float], decider: Decider) -> None:
-        """The request finished with token `times`: the splice stall of each of its follows."""
+    def on_finished(self, request_id: str, times: Sequence[float], decider: Decider) -> int:
+        """The request finished with token `times`: the splice stall of each of its follows; returns how many
+        of them were migrations (a prefill role's hand-off is not one)."""
         marks = self._marks.pop(request_id, None)
         if marks is None:
-            return
+            return 0
         stats = self.stats[decider.index]
         for index, ended_s, handoff in marks:
             (stats.handoff_stall_s if handoff else stats.splice_stall_s).append(times[index] - ended_s)
+        return sum(1 for _, _, handoff in marks if not handoff)
 
     def handoff_figures(self) -> dict[str, Any]:
         """The prefill engines' hand-offs over every worker: how many resumed, their KV bytes and their splice

@@ -442,9 +442,10 @@ class _Run:
         fresh = len(times) - life.relayed
         if fresh > 0:
             life.on_token(times[life.relayed], fresh)
+        migrations = None
         if self.migrations is not None:
             self.requests.pop(rid, None)
-            self.migrations.on_finished(rid, times, decider)
+            migrations = self.migrations.on_finished(rid, times, decider)
         outcome = life.on_finished(
             Finished(event.finish_reason, event.usage.prompt_tokens, event.usage.completion_tokens,
                      error_message=event.error_message), now_s)
@@ -461,7 +462,7 @@ class _Run:
             request_id=rid, success=True, prompt_tokens=usage.prompt_tokens,
             output_tokens=usage.completion_tokens, arrival_s=arrival_s - self.t0, start_s=arrival_s - self.t0,
             ttft_s=times[0] - arrival_s, itl_s=tuple(map(sub, times[1:], times)), e2e_s=now_s - arrival_s,
-            engine_id=node.engine_id)
+            engine_id=node.engine_id, migrations=migrations if migrations is not None else 0)
 
     @staticmethod
     def left(node: SimNode, rid: str, now_s: float) -> None:

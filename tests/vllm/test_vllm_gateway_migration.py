@@ -4,13 +4,16 @@ Greedy sampling, so an unmigrated run is the reference: a request cut after some
 (`POST /admin/migrate`) and resumed on the other agent over NIXL must stream the same text; and when that
 target is killed while it streams, the gateway re-tickets the request without KV and the source recomputes
 it, still the same text, while the source's KV returns to what it was before (the cut's held blocks are
-pulled, or expire with the lease).
+pulled, or expire with the lease). CascadeInfer's hand-over (paper 000, §4.3) on the same agents: a second
+gateway with `--policy length_stages --reschedule length_stages` and a two-stage plan moves a request that
+grows past the first stage's bound to the other agent by itself; the text is again the unmigrated one.
 The tiny model's weights are random: the checks are on exactness and plumbing, not on words.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import time
@@ -37,6 +40,7 @@ pytestmark = [
 
 AGENT_ARGS = (
     "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--migration-kv-lease-s", "30",
+    "--star-report", "--state-interval-ms", "20",  # per-request lengths for the length-stage hand-over
 )
 LEASE_S = 30.0
 
@@ -130,6 +134,52 @@ async def test_a_greedy_stream_moved_between_vllm_engines_reads_as_the_unmigrate
     assert moved == reference
     counts = await migrations(fleet)
     assert counts.get("cut") == 1.0 and counts.get("resumed") == 1.0, counts
+
+
+async def test_a_request_growing_past_its_stage_is_handed_over_between_vllm_engines(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    bound = 96  # the chat-templated prompt is well under it; 400 greedy tokens grow well past it
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"stages": [
+        {"lo": 0, "hi": bound, "instances": 1, "engines": [fleet.first.address]},
+        {"lo": bound, "hi": 1024, "instances": 1, "engines": [fleet.second.address]},
+    ]}))
+    config = GatewayConfig(port=0, engines=(fleet.first.address, fleet.second.address),
+                           policy={"name": "length_stages"}, engine_stall_timeout_s=10.0,
+                           stale_after_s=60.0, drain_timeout_s=2.0,
+                           reschedule={"policy": "length_stages", "interval_s": 0.05,
+                                       "engine_cooldown_s": 0.0,
+                                       "params": {"plan": str(plan), "refine": "off",
+                                                  "plan_interval_s": 3600}})
+    request = {**body(fleet.model), "max_tokens": 400}
+
+    async def text_of(url: str, request_id: str) -> tuple[str, str | None, int, int]:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        parts: list[str] = []
+        finish, prompt, completion = None, 0, 0
+        async for chunk in await client.chat.completions.create(
+            **request, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers={"x-request-id": request_id},
+        ):
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                prompt, completion = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+        await client.close()
+        return "".join(parts), finish, prompt, completion
+
+    reference = await text_of(fleet.url, "stages-ref")  # the module's gateway: round robin, no rescheduling
+    app = build_app(config)
+    async with running(config, app=app, ready_engines=2) as url:
+        staged = await text_of(url, "stages-moved")
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+            exposition = await resp.text()
+    assert reference[2] < bound and reference[1:] == staged[1:] == ("length", reference[2], 400)
+    assert staged[0] == reference[0] and len(reference[0]) > 50
+    assert 'switchyard_stage_migrations_total{reason="handover"} 1.0' in exposition, exposition
+    assert 'switchyard_migrations_total{outcome="resumed"} 1.0' in exposition
 
 
 async def test_a_killed_target_falls_back_to_the_source_which_frees_its_kv_within_the_lease(

@@ -720,6 +720,20 @@ def test_an_engine_that_is_not_ready_leaves_its_stage_too() -> None:
     assert [s[2] for s in shape(rs)] == [("a",), ("c",)]
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_an_engine_late_at_start_up_gets_its_planned_stage(named: bool) -> None:
+    doc = {"stages": [{"lo": 0, "hi": 1000, "instances": 1, **({"engines": ["a"]} if named else {})},
+                      {"lo": 1000, "hi": 4096, "instances": 1, **({"engines": ["b"]} if named else {})}]}
+    rs = rescheduler(StagesPlanFile.parse(doc), refine="off", max_len=4096)
+    tick(rs, view("a"))  # b has not reported yet: one stage
+    assert [s[2] for s in shape(rs)] == [("a",)]
+    tick(rs, view("a"), view("b"), at=T0 + 0.5)
+    assert shape(rs) == [(0, 1000, ("a",), (1000,)), (1000, 4096, ("b",), (4096,))]
+    tick(rs, view("a"), at=T0 + 1.0)  # b gone: merged; b back: its stage again
+    tick(rs, view("a"), view("b"), at=T0 + 1.5)
+    assert shape(rs) == [(0, 1000, ("a",), (1000,)), (1000, 4096, ("b",), (4096,))]
+
+
 @pytest.mark.parametrize(("loaded", "stage"), [("a", 0), ("b", 1), ("c", 2)])
 def test_a_new_engine_joins_the_stage_with_the_most_tokens_per_engine(loaded: str, stage: int) -> None:
     rs = rescheduler(THREE, refine="off", max_len=4096)

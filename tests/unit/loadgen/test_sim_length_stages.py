@@ -6,11 +6,15 @@ first engine, and grows past 600 tokens, so each is handed over once; nothing ma
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gateway.rescheduling.length_stages import StagesPlanFile
+from loadgen.cli import main
+from loadgen.compare import STAGES_ABLATION_ARMS
 from loadgen.datasets import Request
 from loadgen.metrics import Outcome
 from loadgen.simulate import EngineSpec, SimOptions, SimResult, simulate
@@ -56,6 +60,9 @@ def test_requests_start_on_the_first_stage_and_are_handed_over_whole() -> None:
     assert later > 0.5 * sum(o.output_tokens for o in result.outcomes)  # most decoding ran past the wall
     layout = row["layout"]["llama3-8b"]
     assert [s["engines"] for s in layout] == [[first], ["h100-llama3-8b-1", "h100-llama3-8b-2"]]
+    # each outcome records its own moves; together they are the cuts that resumed
+    assert sum(o.migrations or 0 for o in result.outcomes) == row["migrations"]["resumed"]
+    assert sum(1 for o in result.outcomes if o.migrations) >= 10
 
 
 def test_the_same_seed_gives_the_same_run() -> None:
@@ -68,6 +75,7 @@ def test_without_the_rescheduler_nothing_moves_and_one_stage_serves() -> None:
     result = run(policy="round_robin", reschedule="none", stages_plan=None, reschedule_params={})
     assert_whole(result.outcomes)
     assert result.balance is None
+    assert {o.migrations for o in result.outcomes} == {0}
 
 
 @pytest.mark.parametrize(("options", "match"), [
@@ -79,3 +87,28 @@ def test_without_the_rescheduler_nothing_moves_and_one_stage_serves() -> None:
 def test_bad_options_are_refused_naming_the_key(options: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         run(**options)
+
+
+def test_compare_stages_ablation_runs_each_arm_with_its_parameters(tmp_path: Path) -> None:
+    out = tmp_path / "ablation.json"
+    code = main(["compare", "--dataset", "synth:in=200,out=700,n=30", "--num-requests", "30", "--rate", "20",
+                 "--engines", f"{H100}:3", "--reschedule", "length_stages", "--stages-ablation",
+                 "--reschedule-param", "ema=0.5", "--output", str(out), "--no-plots", "--no-timelines"])
+    assert code == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["label"] for r in runs] == [label for label, _, _ in STAGES_ABLATION_ARMS]
+    for run_, (_, policy_params, params) in zip(runs, STAGES_ABLATION_ARMS, strict=True):
+        assert run_["policy"] == "length_stages" and run_["policy_params"] == dict(policy_params)
+        assert run_["reschedule_params"] == {"ema": 0.5, **params}  # the arm's over the command line's
+        assert run_["summary"]["completed"] == 30 and run_["summary"]["mean_migrations"] is not None
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ([], "needs --reschedule length_stages"),
+    (["--reschedule", "length_stages", "--ablation"], "pick one"),
+])
+def test_compare_stages_ablation_usage_errors(extra: list[str], match: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["compare", "--dataset", "synth:in=200,out=700,n=5", "--num-requests", "5",
+                 "--engines", f"{H100}:2", "--stages-ablation", *extra])
+    assert code == 2 and match in capsys.readouterr().err
