@@ -242,6 +242,8 @@ class Dispatcher:
                 decisions.labels(policy_name, "no_engine").inc()
                 raise NoEngineAvailable(decision.message)
             decisions.labels(policy_name, "dispatch" if decision.attempt == 1 else "retry").inc()
+            if decision.why:
+                metrics.policy_picks.labels(policy_name, decision.why).inc()
             engine_id = decision.engine_id
             client = state.client(engine_id)
             record_dispatch(state, decision)
@@ -549,10 +551,11 @@ def _debug_decision(policy_name: str, policy: object, decision: Decision, moment
     views = {e.engine_id: e for e in moment.snapshot.serving(f.model)}
     load = ", ".join(f"{e}:q{v.queue_length}{'/stale' if v.stale else ''}" for e, v in views.items())
     log.debug(
-        "routing: request=%s policy=%s reason=%s engine=%s attempt=%d exclude=%s load=[%s]%s",
+        "routing: request=%s policy=%s reason=%s%s engine=%s attempt=%d exclude=%s load=[%s]%s",
         f.request_id,
         policy_name,
         "dispatch" if decision.attempt == 1 else "retry",
+        f" why={decision.why}" if decision.why else "",
         decision.engine_id,
         decision.attempt,
         sorted(f.exclude),

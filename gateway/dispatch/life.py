@@ -101,6 +101,7 @@ class Dispatch:
     features: RequestFeatures  # what the policy saw, for the ledger and for decision logs
     attempt: int  # 1 for the first engine, 2 for the first retry, ...
     route: RouteTag | None = None  # a weighted policy's tag for the pick (`WeightedPolicy`), for the ledger
+    why: str = ""  # an explaining policy's reason (`ExplainedPolicy.decide`), for metrics and logs
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,15 +342,21 @@ class ChoiceLife:
                                if e.engine_id in decode and not _idle(e))
         features = self._features(moment, excluded | decode if decode else excluded, follow=False)
         route: RouteTag | None = None
+        why = ""
         choose = getattr(policy, "choose", None)  # a `WeightedPolicy` (isinstance on a Protocol costs ~9 µs)
         if choose is not None:
             engine_id, route = choose(features, moment.snapshot)
         else:
-            engine_id = policy.pick(features, moment.snapshot)
+            decide = getattr(policy, "decide", None)  # an `ExplainedPolicy`
+            if decide is not None:
+                engine_id, why = decide(features, moment.snapshot)
+            else:
+                engine_id = policy.pick(features, moment.snapshot)
         if engine_id is None:
             return self._give_up()
         self.tried.append(engine_id)
-        dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried), route=route)
+        dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried), route=route,
+                            why=why)
         self.current = dispatch
         self.decisions.append(dispatch)
         return dispatch

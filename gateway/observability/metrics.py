@@ -398,6 +398,13 @@ class GatewayMetrics:
             ["policy", "reason"],
             registry=r,
         )
+        self.policy_picks = Counter(
+            "switchyard_policy_picks_total",
+            "Picks of a policy that says why (PRISM: scored, or no_feasible_soonest when no engine meets the "
+            "request's SLO and the one finishing it soonest is taken)",
+            ["policy", "why"],
+            registry=r,
+        )
         # CAUCHY's autoscaler (gateway.fleet.autoscale), only with autoscale on.
         self.autoscale_actions = Counter(
             "switchyard_autoscale_actions_total",

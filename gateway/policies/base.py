@@ -1,7 +1,7 @@
 """The routing seam: the `Policy` protocol every routing policy implements.
 
-Owns: the protocols (`Policy`, and `WeightedPolicy` for policies that count their picks) and the shared
-eligibility helper.
+Owns: the protocols (`Policy`, `WeightedPolicy` for policies that count their picks, `ExplainedPolicy` for
+policies that say why they picked) and the shared eligibility helper.
 Must not (invariant I1, checked by tests/unit/test_import_rules.py): import asyncio, aiohttp, grpc, prometheus
 or time; read a clock; do I/O; record metrics; mutate anything. A policy is a pure function of
 (`RequestFeatures`, `ClusterSnapshot`); randomness and time come in through the features.
@@ -35,6 +35,18 @@ class WeightedPolicy(Protocol):
     def choose(
         self, features: RequestFeatures, snapshot: ClusterSnapshot
     ) -> tuple[EngineId | None, RouteTag | None]: ...
+
+
+class ExplainedPolicy(Protocol):
+    """A policy that says why it picked: `decide` returns the pick and a short reason (a metric label, e.g.
+    PRISM's "scored" or "no_feasible_soonest"). The request's life calls `decide` instead of `pick` when a
+    policy has it; the reason travels in the dispatch (`Dispatch.why`) to metrics and debug logs."""
+
+    NAME: ClassVar[str]
+
+    def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None: ...
+
+    def decide(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineId | None, str]: ...
 
 
 def eligible(features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineView, ...]:

@@ -29,10 +29,17 @@ gateway defaults), else `ttft_slo_ms` / `tpot_slo_ms`; D_r = ceil((p + o) / bloc
 
 Factors:
   S_latency  = f(t_first / T_ttft) * f(L_e / T_tpot) * (slo_risk_penalty if the engine reports slo_risk),
-             t_first = L_e + (Q_e + p) / P_e: wait for the current batch, then prefill what is ahead and r
-             itself at peak rate (the queueing + prefill part of TTFT); L_e is also the time per output token
-             of the batch r joins. f(m) = 1 / (1 + m^k), k = `latency_steepness`: about 1 well inside the
-             SLO, 1/2 at the SLO, plummeting beyond it.
+             t_first = L_e + A_e + (Q_e + p) / R_e: wait for the current batch, then for a place in it (A_e),
+             then prefill what is ahead and r itself at the rate decoding leaves over (the queueing +
+             prefill part of TTFT); L_e is also the time per output token of the batch r joins.
+             A_e: with n_e running requests one finishes every d L_e / n_e s (d = `decode_work_tokens`, the
+             decode steps a running request has left, on average); r needs b_e completions, b_e = the
+             requests ahead of it (waiting + dispatched since the report) + 1 - free sequence slots
+             (max_num_seqs - n_e), or, when M_e is short of D_r, the requests ahead + the completions whose
+             blocks (used KV / n_e each) cover the shortfall, whichever is more; A_e = 0 on an idle engine.
+             R_e = max(P_e - n_e / L_e, 5 % of P_e): the decodes take n_e tokens per iteration.
+             f(m) = 1 / (1 + m^k), k = `latency_steepness`: about 1 well inside the SLO, 1/2 at the SLO,
+             plummeting beyond it.
   S_load     = 1 / (1 + rho_e / tau), rho_e = (W_e + p) / P_e, the seconds e needs to drain its pending work
              and r's prefill at peak rate (normalising by P_e compares heterogeneous GPUs), tau =
              `load_scale_s`.
@@ -44,6 +51,23 @@ Factors:
   S_affinity = 1 when r has no session record or e holds it (features.session_engine), else 1 / beta,
              beta = `affinity_bonus` > 1. (The paper boosts the session's engine to beta and leaves the others
              at 1; dividing every score of the request by beta keeps S in (0, 1] and the same ranking.)
+
+No feasible engine (`decide`): when no candidate's predicted t_first is within T_ttft and L_e within T_tpot,
+the score ranks engines that all miss the SLO by how badly, which says little about who serves r best; PRISM
+then takes the engine that finishes r soonest (t_first + o * L_e; ties by rand) and says so: the reason
+"no_feasible_soonest" (else "scored") travels in the dispatch to `switchyard_policy_picks_total{policy,why}`
+and the debug log.
+
+Why the queue terms (issue 17, `benchmarks/prism_diagnose.py`, simulated mixed fleet h100 + a100 + 2 x
+a6000x2, LENS on, results/prism_diagnose_*.json/.png): t_first used to count only the prefill tokens ahead at
+peak rate. Engines at overload are bound by sequence slots and KV, not prefill: waiting requests enter only as
+running ones finish, so the old t_first under-predicted the chosen engine's TTFT by 1.5-2x on the Azure
+conversation trace at 60 req/s and by up to 20x on the a6000 pair with ShareGPT at 120 req/s, and the fast
+engine's queue ran away (max 333-499 requests on the h100 against 136-260 elsewhere) while it still looked
+best. At 60 req/s of Azure conv every engine is past the SLO (92 % of decisions find no feasible engine):
+PRISM spreads the overload so every engine misses, while round robin overloads the a6000s and leaves the
+h100 and a100 within SLO for their shares (attainment 10 % against 27 %). Pricing the queue does not change
+that; goodput there needs deferring or shedding what no engine can serve in time (not built yet).
 
 Stale state: with age a = state_age_s, confidence c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
 The state part of the log score, s_e = sum of w_i log S_i over latency, load and capacity, is blended toward
@@ -74,6 +98,11 @@ CAPACITY_EPSILON = 1e-6
 # exp(-36) ~ 2e-16: past x = 1 + 36 kappa, log S_capacity is below double precision next to the other terms.
 CAPACITY_NEGLIGIBLE_EXPONENT = 36.0
 TIE_TOLERANCE = 1e-12
+SCORED = "scored"  # `PrismPolicy.decide`'s reasons
+NO_FEASIBLE = "no_feasible_soonest"
+NO_CANDIDATE = "no_candidate"
+# Prefill never gets less than this share of P_e (decoding a full batch leaves chunked prefill at least this).
+MIN_PREFILL_SHARE = 0.05
 _LOG_EPS = math.log(CAPACITY_EPSILON)
 
 
@@ -126,7 +155,7 @@ def class_peak_tokens_per_s(profile: str, params: PrismParams) -> float:
 
 
 _RequestTerms = tuple[
-    int, int, float, float, float, float, float, float, float, float, EngineId | None, float
+    int, int, float, float, float, float, float, float, float, float, EngineId | None, float, int
 ]
 
 
@@ -145,6 +174,7 @@ def _request_terms(features: RequestFeatures, params: PrismParams, fallback_peak
         -math.log(params.affinity_bonus),
         features.session_engine,
         fallback_peak,
+        features.max_tokens,
     )
 
 
@@ -160,10 +190,12 @@ def _evaluate(
     terms: _RequestTerms,
     params: PrismParams,
     collect: list[tuple[float, float, float, float]] | None = None,
+    timing: list[tuple[float, float, bool]] | None = None,
 ) -> _Evaluation:
     """The weighted log factors and confidence of each engine, by the module docstring (the hot path: one
-    loop, everything shared hoisted out of it). `collect` receives the unweighted log factors."""
-    p, demand_tokens, ttft_s, tpot_s, k, d, load_scale_s, kappa, log_risk, log_other, session, fallback = (
+    loop, everything shared hoisted out of it). `collect` receives the unweighted log factors, `timing` each
+    engine's (predicted first-token s, predicted finish s, feasible: both margins within the SLO)."""
+    p, demand_tokens, ttft_s, tpot_s, k, d, load_scale_s, kappa, log_risk, log_other, session, fallback, o = (
         terms
     )
     weights = params.weights
@@ -197,8 +229,28 @@ def _evaluate(
             work = e.pending_prefill_tokens + d * queued
             free_blocks = e.kv_blocks_free - e.kv_blocks_reserved
         unreported_prompt = e.unreported_prompt_tokens
-        # Latency margin.
-        first_s = latency_s + (e.pending_prefill_tokens + unreported_prompt + p) / peak
+        block_size = e.block_size if e.block_size > 0 else 16
+        free_after = free_blocks + e.unreported_tokens // -block_size  # KV left once the unreported land
+        # Latency margin: the current batch, the wait for a slot (and KV) behind the requests ahead, then the
+        # prefill ahead and r's own at the rate decoding leaves over.
+        running = e.num_running
+        first_s = latency_s
+        if running > 0 and latency_s > 0.0:
+            drain_s = d * latency_s / running  # one running request finishes per drain_s
+            ahead = e.num_waiting + e.unreported_requests
+            slots = e.max_num_seqs - running if e.max_num_seqs > 0 else ahead + 1
+            blocked = ahead + 1 - max(slots, 0)
+            if e.kv_blocks_total > 0 and demand_tokens > 0:
+                short = -(demand_tokens // -block_size) - free_after
+                if short > 0:  # completions until r's blocks are free, one running request's blocks each
+                    per_request = max((e.kv_blocks_total - e.kv_blocks_free) / running, 1.0)
+                    blocked = max(blocked, ahead + math.ceil(short / per_request))
+            if blocked > 0:
+                first_s += blocked * drain_s
+            rate = max(peak - running / latency_s, peak * MIN_PREFILL_SHARE)
+        else:
+            rate = peak
+        first_s += (e.pending_prefill_tokens + unreported_prompt + p) / rate
         m_ttft, m_tpot = first_s / ttft_s, latency_s / tpot_s
         if m_ttft > max_margin or m_tpot > max_margin:  # absurd reports must not overflow m^k
             m_ttft, m_tpot = min(m_ttft, max_margin), min(m_tpot, max_margin)
@@ -211,8 +263,7 @@ def _evaluate(
         # Capacity admission.
         log_capacity = 0.0
         if e.kv_blocks_total > 0 and demand_tokens > 0:
-            block_size = e.block_size if e.block_size > 0 else 16
-            x = (free_blocks + e.unreported_tokens // -block_size) / -(demand_tokens // -block_size)
+            x = free_after / -(demand_tokens // -block_size)
             if x < 1.0:
                 log_capacity = _LOG_EPS + log((1.0 + max(x, 0.0)) * 0.5)
             elif x < roomy:
@@ -221,6 +272,8 @@ def _evaluate(
         log_affinity = 0.0 if session is None or session == e.engine_id else log_other
         if collect is not None:
             collect.append((log_latency, log_load, log_capacity, log_affinity))
+        if timing is not None:
+            timing.append((first_s, first_s + o * latency_s, m_ttft <= 1.0 and m_tpot <= 1.0))
         state.append(w_lat * log_latency + w_load * log_load + w_cap * log_capacity)
         affinity.append(w_aff * log_affinity)
         # Confidence in the state.
@@ -275,15 +328,16 @@ class PrismPolicy:
         return eligible(features, snapshot)
 
     def _totals(
-        self, features: RequestFeatures, snapshot: ClusterSnapshot
+        self, features: RequestFeatures, snapshot: ClusterSnapshot,
+        timing: list[tuple[float, float, bool]] | None = None,
     ) -> tuple[tuple[EngineView, ...], list[float], list[float]]:
-        """(candidates, their log scores, their confidences), in engine-id order."""
+        """(candidates, their log scores, their confidences), in engine-id order; `timing`: `_evaluate`'s."""
         params = self._params
         engines = self.candidates(features, snapshot)
         if not engines:
             return engines, [], []
         terms = _request_terms(features, params, fallback_peak_tokens_per_s(engines))
-        state, affinity, conf, all_fresh = _evaluate(engines, terms, params)
+        state, affinity, conf, all_fresh = _evaluate(engines, terms, params, timing=timing)
         if all_fresh:
             return engines, [s + a for s, a in zip(state, affinity, strict=True)], conf
         mean = math.fsum(state) / len(state)
@@ -297,10 +351,35 @@ class PrismPolicy:
         engines, totals, conf = self._totals(features, snapshot)
         return [(e.engine_id, t, c) for e, t, c in zip(engines, totals, conf, strict=True)]
 
+    def timings(
+        self, features: RequestFeatures, snapshot: ClusterSnapshot
+    ) -> list[tuple[EngineId, float, float, bool]]:
+        """(engine, predicted first-token s, predicted finish s, feasible) per candidate, in engine-id order
+        (for tests and diagnostics: what `decide` prices)."""
+        timing: list[tuple[float, float, bool]] = []
+        engines, _, _ = self._totals(features, snapshot, timing)
+        return [(e.engine_id, *t) for e, t in zip(engines, timing, strict=True)]
+
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
-        engines, totals, conf = self._totals(features, snapshot)
+        return self.decide(features, snapshot)[0]
+
+    def decide(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineId | None, str]:
+        """The pick and why: "scored" (the highest score), or "no_feasible_soonest" when no candidate meets
+        the request's TTFT and TPOT (predicted) and the one that finishes it soonest is taken instead."""
+        timing: list[tuple[float, float, bool]] = []
+        engines, totals, conf = self._totals(features, snapshot, timing)
         if not engines:
-            return None
+            return None, NO_CANDIDATE
+        if not any(feasible for _, _, feasible in timing):
+            soonest = min(finish for _, finish, _ in timing)
+            floor = soonest + TIE_TOLERANCE * max(1.0, abs(soonest))
+            tied = [i for i, (_, finish, _) in enumerate(timing) if finish <= floor]
+            return engines[tied[min(int(features.rand * len(tied)), len(tied) - 1)]].engine_id, NO_FEASIBLE
+        return self._best(engines, totals, conf, features), SCORED
+
+    @staticmethod
+    def _best(engines: tuple[EngineView, ...], totals: list[float], conf: list[float],
+              features: RequestFeatures) -> EngineId:
         best = max(totals)
         floor = best - TIE_TOLERANCE * max(1.0, abs(best))
         tied = [i for i, t in enumerate(totals) if t >= floor]

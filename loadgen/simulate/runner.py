@@ -26,7 +26,15 @@ from typing import Any
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
 from gateway.dispatch.features import RoutingHints
-from gateway.dispatch.life import ChoiceLife, Decision, GiveUp, RecordLatency, record_dispatch, record_outcome
+from gateway.dispatch.life import (
+    ChoiceLife,
+    Decision,
+    Dispatch,
+    GiveUp,
+    RecordLatency,
+    record_dispatch,
+    record_outcome,
+)
 from gateway.domain import ChatTurn, EngineRequest, Finished
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
@@ -91,6 +99,7 @@ class _Run:
         self.states = tuple(d.state for d in self.deciders)
         self.assign = DeciderAssigner(options.deciders, options.decider_assignment, options.seed)
         self.decisions = [0] * options.deciders  # per decider: routing decisions made
+        self.whys: list[dict[str, int]] = [{} for _ in range(options.deciders)]  # per decider: picks by why
         self.dispatched = [0] * options.deciders  # per decider: dispatches the engine accepted
         self.model = nodes[0].model
         self.prompt_ids = PromptIds()
@@ -305,6 +314,9 @@ class _Run:
         while True:
             decision = life.route(decider.policy, decider.moment(now_s))
             self.decisions[decider.index] += 1
+            if isinstance(decision, Dispatch) and decision.why:
+                whys = self.whys[decider.index]
+                whys[decision.why] = whys.get(decision.why, 0) + 1
             if self.on_decision is not None:
                 self.on_decision(decision)
             if isinstance(decision, GiveUp):
@@ -569,8 +581,8 @@ def simulate(
     cost_usd = bill(billed, run.t0, run.t0 + duration_s)
     tokens = sum(o.prompt_tokens + o.output_tokens for o in outcomes if o.success)
     per_decider: list[dict[str, Any]] = [
-        {"decisions": made, "dispatched": accepted}
-        for made, accepted in zip(run.decisions, run.dispatched, strict=True)]
+        {"decisions": made, "dispatched": accepted, **({"why": whys} if whys else {})}
+        for made, accepted, whys in zip(run.decisions, run.dispatched, run.whys, strict=True)]
     if run.balance:
         rows = (run.migrations.rows() if run.migrations is not None
                 else [MoveStats().row() for _ in per_decider])

@@ -47,7 +47,34 @@ LENS = {"peak_throughput_tokens_per_s": 10_000.0}
             "busy, no LENS: L = last iteration, prefill ahead at the default P",
             {"num_running": 2, "last_iteration_s": 0.05, "pending_prefill_tokens": 1900},
             {},
-            f((0.05 + 2000 / 20_000) / 2.0) * f(0.05 / 0.05),
+            # prefill runs at P less the decodes' 2 tokens per 50 ms iteration
+            f((0.05 + 2000 / (20_000 - 2 / 0.05)) / 2.0) * f(0.05 / 0.05),
+        ),
+        (
+            "a full engine: r waits for a slot behind the queue, one finishing every d L / running",
+            LENS | {"predicted_batch_latency_s": 0.02, "num_running": 4, "max_num_seqs": 4, "num_waiting": 2},
+            {},
+            f((0.02 + 3 * 128 * 0.02 / 4 + 100 / (10_000 - 4 / 0.02)) / 2.0) * f(0.02 / 0.05),
+        ),
+        (
+            "dispatches since the report queue for slots too",
+            LENS | {"predicted_batch_latency_s": 0.02, "num_running": 4, "max_num_seqs": 5,
+                    "unreported_requests": 3, "unreported_prompt_tokens": 300},
+            {},
+            f((0.02 + 3 * 128 * 0.02 / 4 + 400 / (10_000 - 4 / 0.02)) / 2.0) * f(0.02 / 0.05),
+        ),
+        (
+            "KV short of r's 10 blocks: it waits for a completion to free some",
+            LENS | {"predicted_batch_latency_s": 0.02, "num_running": 4, "effective_free_kv_blocks": 2,
+                    "kv_blocks_total": 100, "kv_blocks_free": 2},
+            {},
+            f((0.02 + 1 * 128 * 0.02 / 4 + 100 / (10_000 - 4 / 0.02)) / 2.0) * f(0.02 / 0.05),
+        ),
+        (
+            "decoding never leaves prefill less than 5 % of P",
+            LENS | {"predicted_batch_latency_s": 0.001, "num_running": 100},
+            {},
+            f((0.001 + 100 / (10_000 * 0.05)) / 2.0) * f(0.001 / 0.05),
         ),
         (
             "idle, no LENS: a stale last iteration time does not count",
@@ -307,6 +334,53 @@ def test_pick(case: str, snap: ClusterSnapshot, feats: RequestFeatures, expected
     assert pick(snap, feats) == expected, case
 
 
+def fast_and_slow(waiting: int) -> ClusterSnapshot:
+    """A fast engine, full (256 of 256 sequences) with `waiting` queued, and a slow one with free slots; the
+    same pending work."""
+    fast = engine("fast", peak_throughput_tokens_per_s=20_000.0, predicted_batch_latency_s=0.03,
+                  pending_work_tokens=2000.0, num_running=256, max_num_seqs=256, num_waiting=waiting)
+    slow = engine("slow", peak_throughput_tokens_per_s=5_000.0, predicted_batch_latency_s=0.04,
+                  pending_work_tokens=2000.0, num_running=20, max_num_seqs=256)
+    return snapshot(fast, slow)
+
+
+def test_the_fast_engines_queue_makes_it_lose() -> None:
+    feats = features(slo_ttft_s=1.0)
+    assert pick(fast_and_slow(waiting=0), feats) == "fast"  # no queue: r waits for one completion, speed wins
+    queued = fast_and_slow(waiting=100)  # 101 completions ahead of r at one per 128 x 30 ms / 256 = 15 ms
+    first_fast = 0.03 + 101 * 128 * 0.03 / 256 + 100 / (20_000 - 256 / 0.03)
+    assert first_fast > 1.0  # past the TTFT SLO
+    assert factors(queued.engines[0], feats, queued).latency == pytest.approx(
+        f(first_fast / 1.0) * f(0.03 / 0.05))
+    assert pick(queued, feats) == "slow"
+
+
+def decide(snap: ClusterSnapshot, feats: RequestFeatures | None = None) -> tuple[EngineId | None, str]:
+    return PrismPolicy().decide(feats or features(), snap)
+
+
+def test_no_feasible_engine_takes_the_one_that_finishes_soonest_and_says_so() -> None:
+    # Both past the 50 ms TPOT. By score b wins (a's heavy load); a finishes 50 tokens sooner.
+    a = engine("a", **LENS, predicted_batch_latency_s=0.06, pending_work_tokens=50_000.0, num_running=10)
+    b = engine("b", **LENS, predicted_batch_latency_s=0.09, num_running=10)
+    snap = snapshot(a, b)
+    scores = dict((e, s) for e, s, _ in PrismPolicy().scores(features(), snap))
+    assert scores["b"] > scores["a"]
+    assert decide(snap) == ("a", "no_feasible_soonest")
+    # one feasible engine: the score decides again
+    assert decide(snapshot(a, b, engine("c", **LENS, predicted_batch_latency_s=0.2, num_running=1,
+                                        max_num_seqs=1)))[1] == "no_feasible_soonest"
+    assert decide(snapshot(a, b, engine("c"))) == ("c", "scored")
+    assert decide(snapshot(), features()) == (None, "no_candidate")
+
+
+@pytest.mark.parametrize(("rand", "expected"), [(0.0, "a"), (0.99, "b")])
+def test_no_feasible_ties_are_broken_by_rand(rand: float, expected: str) -> None:
+    slow = {**LENS, "predicted_batch_latency_s": 0.1, "num_running": 3}
+    assert decide(snapshot(engine("a", **slow), engine("b", **slow)), features(rand=rand)) == \
+        (expected, "no_feasible_soonest")
+
+
 def test_score_is_the_weighted_product_of_the_factors() -> None:
     views = (
         engine(
@@ -522,3 +596,20 @@ async def test_invalid_slo_headers_are_400_in_openai_shape(name: str, value: str
         assert set(err) == {"message", "type", "param", "code"}
         assert (err["type"], err["param"]) == ("invalid_request_error", name)
     assert fake.requests == []
+
+
+@pytest.mark.parametrize(
+    ("headers", "why"),
+    [
+        ({}, "scored"),
+        # even an idle engine needs p / P_e to prefill: no engine meets a 0.1 µs TTFT
+        ({"x-slo-ttft-ms": "0.0001"}, "no_feasible_soonest"),
+    ],
+)
+async def test_the_pick_reason_is_counted_live(headers: dict[str, str], why: str) -> None:
+    fake = FakeEngine("a", ok_script("x"))
+    async with serving(fake, policy={"name": "prism"}) as client:
+        resp = await client.post(CHAT, json=BODY, headers=headers)
+        assert resp.status == 200
+        exposition = await (await client.get("/metrics")).text()
+    assert f'switchyard_policy_picks_total{{policy="prism",why="{why}"}} 1.0' in exposition, exposition

@@ -66,8 +66,10 @@ def test_a_split_gateway_whose_traffic_reaches_one_worker_is_the_unsplit_gateway
     assert alone == split
     assert one.outcomes == four.outcomes and one.timeline == four.timeline
     assert one.per_engine == four.per_engine
-    assert one.per_decider == [{"decisions": 40, "dispatched": 40}]
-    assert four.per_decider == [{"decisions": 40, "dispatched": 40}] + [{"decisions": 0, "dispatched": 0}] * 3
+    why = {"why": {"scored": 40}} if policy == "prism" else {}  # PRISM says why it picked
+    assert one.per_decider == [{"decisions": 40, "dispatched": 40, **why}]
+    assert four.per_decider == ([{"decisions": 40, "dispatched": 40, **why}]
+                                + [{"decisions": 0, "dispatched": 0}] * 3)
 
 
 def test_one_decider_is_the_default_and_draws_no_assignment() -> None:
