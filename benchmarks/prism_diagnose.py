@@ -74,8 +74,8 @@ class Recorder:
              chosen: Any) -> None:
         params = policy.params
         engines = policy.candidates(features, snapshot)
-        timings = {engine: (first, finish, feasible)
-                   for engine, first, finish, feasible in policy.timings(features, snapshot)}
+        timings = {engine: (first, finish, margin <= 1.0)
+                   for engine, first, finish, margin in policy.timings(features, snapshot)}
         for e in engines:
             f = prism.factors(e, features, snapshot, params)
             first_s, finish_s, feasible = timings[e.engine_id]

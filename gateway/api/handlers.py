@@ -51,6 +51,7 @@ from gateway.dispatch.dispatcher import (
     Dispatcher,
     EventSink,
     NoEngineAvailable,
+    RequestShed,
     RequestTimedOut,
 )
 from gateway.dispatch.features import RoutingHints, estimate_prompt_tokens
@@ -303,6 +304,8 @@ class ApiHandlers:
             return errors.error_response(err, headers)
         except Exception as e:  # every failure becomes an OpenAI error; unknown ones are logged as bugs
             err = self._to_api_error(e, model_label, request_id)
+            if isinstance(e, RequestShed):
+                headers["Retry-After"] = str(max(1, int(e.retry_after_s)))
             status = err.status
             if isinstance(relay, StreamRelay) and relay.started:
                 await _fail_stream(relay, err, guard)
@@ -370,6 +373,8 @@ class ApiHandlers:
     def _to_api_error(self, e: Exception, model: str, request_id: str) -> ApiError:
         if isinstance(e, ApiError):
             return e
+        if isinstance(e, RequestShed):  # the policy shed it: the admission gate's answer, not "no engine"
+            return errors.fleet_saturated(model, e.reason)
         if isinstance(e, NoEngineAvailable | CascadeUnavailable):
             log.warning("request %s: %s", request_id, e)
             return errors.no_engine(model)

@@ -44,6 +44,7 @@ from gateway.dispatch.life import (
     Moment,
     Outcome,
     OutcomeLedger,
+    Shed,
     StreamFailed,
     record_dispatch,
     record_outcome,
@@ -102,6 +103,16 @@ class ClientDisconnected(Exception):
 
 class NoEngineAvailable(Exception):
     """No engine could take the request (none eligible, or all tried ones unavailable)."""
+
+
+class RequestShed(NoEngineAvailable):
+    """The policy shed the request (the life's `Shed`): answered 503 `fleet_saturated` with Retry-After, as
+    the admission gate's refusals (a cascade treats it as its stage being unavailable)."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class RequestTimedOut(Exception):
@@ -241,6 +252,10 @@ class Dispatcher:
             if isinstance(decision, GiveUp):
                 decisions.labels(policy_name, "no_engine").inc()
                 raise NoEngineAvailable(decision.message)
+            if isinstance(decision, Shed):
+                decisions.labels(policy_name, "shed").inc()
+                metrics.policy_picks.labels(policy_name, decision.why).inc()
+                raise RequestShed(decision.message, decision.reason, decision.retry_after_s)
             decisions.labels(policy_name, "dispatch" if decision.attempt == 1 else "retry").inc()
             if decision.why:
                 metrics.policy_picks.labels(policy_name, decision.why).inc()
@@ -542,6 +557,9 @@ def _debug_decision(policy_name: str, policy: object, decision: Decision, moment
             decision.attempts,
             decision.message,
         )
+        return
+    if isinstance(decision, Shed):
+        log.debug("routing: policy=%s reason=shed why=%s: %s", policy_name, decision.why, decision.message)
         return
     f = decision.features
     scores = getattr(policy, "scores", None)

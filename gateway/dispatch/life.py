@@ -12,7 +12,8 @@ the cluster state (it returns what to record; the executor records it). Invarian
 (`loadgen.simulate.runner`) in virtual time, so a routing or retry decision has one implementation. The
 features it builds are `gateway.dispatch.features.build_features`'s.
 
-The life's states: routing (`route` returns a `Dispatch` or `GiveUp`), an open attempt (until the executor
+The life's states: routing (`route` returns a `Dispatch`, a `GiveUp`, or a `Shed` when the policy sheds the
+request: `gateway.policies.base.SHED`), an open attempt (until the executor
 calls `on_closed`, which names the engine to release), streaming (after `on_first_event`: no more retries),
 done (after `on_finished` or a `GiveUp`). `on_unavailable` answers `Retry(delay_s)` (close the attempt, wait,
 route again) or `GiveUp` (attempts or the gateway's retry budget, `gateway.dispatch.retry`, exhausted).
@@ -73,7 +74,7 @@ from gateway.domain import (
     RequestFeatures,
     RouteTag,
 )
-from gateway.policies.base import Policy
+from gateway.policies.base import SHED, Policy
 from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -110,6 +111,18 @@ class GiveUp:
 
     message: str
     attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """Effect: the policy shed the request (`policies.base.SHED`: no engine can serve it within its SLO).
+    Live: a 503 `fleet_saturated` (`reason`, the admission gate's) with Retry-After; simulated: a failed
+    request. `why`: the policy's reason, for metrics and logs."""
+
+    message: str
+    reason: str = "slo_unattainable"
+    why: str = SHED
+    retry_after_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +175,7 @@ class Follow:
     handoff: bool = False  # a prefill engine's hand-off to a decode engine (not a rescheduler's move)
 
 
-Decision = Dispatch | GiveUp
+Decision = Dispatch | GiveUp | Shed
 
 
 class DispatchLedger(Protocol):
@@ -353,6 +366,12 @@ class ChoiceLife:
             else:
                 engine_id = policy.pick(features, moment.snapshot)
         if engine_id is None:
+            if why == SHED:
+                model = self.request.model
+                shed = Shed(f"no engine can serve this request to model {model!r} within its SLO")
+                self.done = True
+                self.decisions.append(shed)
+                return shed
             return self._give_up()
         self.tried.append(engine_id)
         dispatch = Dispatch(engine_id=engine_id, features=features, attempt=len(self.tried), route=route,

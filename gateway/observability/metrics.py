@@ -394,14 +394,14 @@ class GatewayMetrics:
         )
         self.routing_decisions = Counter(
             "switchyard_routing_decisions_total",
-            "Routing decisions by policy and outcome (dispatch, retry, no_engine, retry_budget)",
+            "Routing decisions by policy and outcome (dispatch, retry, no_engine, retry_budget, shed)",
             ["policy", "reason"],
             registry=r,
         )
         self.policy_picks = Counter(
             "switchyard_policy_picks_total",
             "Picks of a policy that says why (PRISM: scored, or no_feasible_soonest when no engine meets the "
-            "request's SLO and the one finishing it soonest is taken)",
+            "request's SLO and the one finishing it soonest is taken, or no_feasible_shed when it was shed)",
             ["policy", "why"],
             registry=r,
         )

@@ -1,7 +1,7 @@
 """The routing seam: the `Policy` protocol every routing policy implements.
 
 Owns: the protocols (`Policy`, `WeightedPolicy` for policies that count their picks, `ExplainedPolicy` for
-policies that say why they picked) and the shared eligibility helper.
+policies that say why they picked, and may shed: `SHED`) and the shared eligibility helper.
 Must not (invariant I1, checked by tests/unit/test_import_rules.py): import asyncio, aiohttp, grpc, prometheus
 or time; read a clock; do I/O; record metrics; mutate anything. A policy is a pure function of
 (`RequestFeatures`, `ClusterSnapshot`); randomness and time come in through the features.
@@ -12,6 +12,11 @@ from __future__ import annotations
 from typing import ClassVar, Protocol
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures, RouteTag
+
+# `ExplainedPolicy.decide`'s reason with no engine that means "shed this request": no engine can serve it
+# within its SLO (the request's life answers `Shed`, live a 503 `fleet_saturated` like the admission gate's
+# `slo_unattainable`), as opposed to no engine at all (`GiveUp`).
+SHED = "no_feasible_shed"
 
 
 class Policy(Protocol):
@@ -40,7 +45,9 @@ class WeightedPolicy(Protocol):
 class ExplainedPolicy(Protocol):
     """A policy that says why it picked: `decide` returns the pick and a short reason (a metric label, e.g.
     PRISM's "scored" or "no_feasible_soonest"). The request's life calls `decide` instead of `pick` when a
-    policy has it; the reason travels in the dispatch (`Dispatch.why`) to metrics and debug logs."""
+    policy has it; the reason travels in the dispatch (`Dispatch.why`) to metrics and debug logs. No engine
+    with the reason `SHED` sheds the request (only for a new request: `decide` never sheds one with
+    `resumed_tokens`, and `pick` never sheds)."""
 
     NAME: ClassVar[str]
 

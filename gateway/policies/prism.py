@@ -57,6 +57,13 @@ the score ranks engines that all miss the SLO by how badly, which says little ab
 then takes the engine that finishes r soonest (t_first + o * L_e; ties by rand) and says so: the reason
 "no_feasible_soonest" (else "scored") travels in the dispatch to `switchyard_policy_picks_total{policy,why}`
 and the debug log.
+Shedding (`overload = "shed"`, goodput at overload): a new request (resumed_tokens = 0) whose best margin
+min_e max(t_first / T_ttft, L_e / T_tpot) exceeds `shed_margin` is shed (`decide` returns no engine and
+`base.SHED`, "no_feasible_shed"): the request's life answers `Shed`; live, a 503 `fleet_saturated` with the
+admission gate's reason `slo_unattainable` and Retry-After (counted as the routing decision "shed"); in the
+simulator a failed request that counts against attainment (over all arrivals: shedding is never free).
+Between 1 and `shed_margin` PRISM still serves the soonest (the prediction is a mean; a margin > 1 keeps
+requests the engine would likely still serve in time). `pick` never sheds (a follow must land somewhere).
 
 Why the queue terms (issue 17, `benchmarks/prism_diagnose.py`, simulated mixed fleet h100 + a100 + 2 x
 a6000x2, LENS on, results/prism_diagnose_*.json/.png): t_first used to count only the prefill tokens ahead at
@@ -68,6 +75,13 @@ best. At 60 req/s of Azure conv every engine is past the SLO (92 % of decisions 
 PRISM spreads the overload so every engine misses, while round robin overloads the a6000s and leaves the
 h100 and a100 within SLO for their shares (attainment 10 % against 27 %). Pricing the queue does not change
 that; goodput there needs deferring or shedding what no engine can serve in time (not built yet).
+
+Constants: `decode_work_tokens` 128, `latency_steepness` 4, `load_scale_s` 4 s, the weights 1 and
+`shed_margin` 1.0 were chosen by a one-pass coordinate sweep on the training traces only (ShareGPT and Azure
+conv, both fleets of benchmarks/nexussched_repro.py at its two highest loads; Azure code and arXiv held out):
+`benchmarks/prism_overload.py sweep`, output benchmarks/prism_sweep.json (mean attainment 0.620 at the earlier
+defaults, 0.626 with tau 4 s, 0.723 with shedding at margin 1.0; d 64-512, k 2-8, w_load 0.5-2 and margins
+1.25-3 did no better).
 
 Stale state: with age a = state_age_s, confidence c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
 The state part of the log score, s_e = sum of w_i log S_i over latency, load and capacity, is blended toward
@@ -85,12 +99,12 @@ Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state.
 from __future__ import annotations
 
 import math
-from typing import Annotated, ClassVar, NamedTuple
+from typing import Annotated, ClassVar, Literal, NamedTuple
 
 from pydantic import Field, StrictFloat
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
-from gateway.policies.base import eligible
+from gateway.policies.base import SHED, eligible
 from gateway.policies.params import NonNegative, NonNegativeFinite, PolicyParams, PositiveFinite
 from gateway.policies.static_weighted import gpu_class_weight
 
@@ -122,7 +136,7 @@ class PrismParams(PolicyParams):
     ttft_slo_ms: PositiveFinite = 2000.0  # used when the request carries no TTFT SLO
     tpot_slo_ms: PositiveFinite = 50.0  # used when the request carries no TPOT SLO
     latency_steepness: PositiveFinite = 4.0  # k
-    load_scale_s: PositiveFinite = 1.0  # tau
+    load_scale_s: PositiveFinite = 4.0  # tau
     capacity_headroom: PositiveFinite = 1.0  # kappa
     affinity_bonus: Annotated[StrictFloat, Field(ge=1, allow_inf_nan=False)] = 1.5  # beta
     decode_work_tokens: NonNegativeFinite = 128.0  # d
@@ -130,6 +144,8 @@ class PrismParams(PolicyParams):
     fresh_age_s: NonNegative = 0.25  # +inf: never blend
     stale_half_life_s: PositiveFinite = 1.0
     slo_risk_penalty: Annotated[StrictFloat, Field(gt=0, le=1)] = 0.5
+    overload: Literal["soonest", "shed"] = "soonest"  # what `decide` does when no engine is feasible
+    shed_margin: Annotated[StrictFloat, Field(ge=1, allow_inf_nan=False)] = 1.0
 
 
 class Factors(NamedTuple):
@@ -190,11 +206,12 @@ def _evaluate(
     terms: _RequestTerms,
     params: PrismParams,
     collect: list[tuple[float, float, float, float]] | None = None,
-    timing: list[tuple[float, float, bool]] | None = None,
+    timing: list[tuple[float, float, float]] | None = None,
 ) -> _Evaluation:
     """The weighted log factors and confidence of each engine, by the module docstring (the hot path: one
     loop, everything shared hoisted out of it). `collect` receives the unweighted log factors, `timing` each
-    engine's (predicted first-token s, predicted finish s, feasible: both margins within the SLO)."""
+    engine's (predicted first-token s, predicted finish s, margin: the larger of t_first / T_ttft and
+    L_e / T_tpot, feasible when <= 1)."""
     p, demand_tokens, ttft_s, tpot_s, k, d, load_scale_s, kappa, log_risk, log_other, session, fallback, o = (
         terms
     )
@@ -273,7 +290,7 @@ def _evaluate(
         if collect is not None:
             collect.append((log_latency, log_load, log_capacity, log_affinity))
         if timing is not None:
-            timing.append((first_s, first_s + o * latency_s, m_ttft <= 1.0 and m_tpot <= 1.0))
+            timing.append((first_s, first_s + o * latency_s, max(m_ttft, m_tpot)))
         state.append(w_lat * log_latency + w_load * log_load + w_cap * log_capacity)
         affinity.append(w_aff * log_affinity)
         # Confidence in the state.
@@ -329,7 +346,7 @@ class PrismPolicy:
 
     def _totals(
         self, features: RequestFeatures, snapshot: ClusterSnapshot,
-        timing: list[tuple[float, float, bool]] | None = None,
+        timing: list[tuple[float, float, float]] | None = None,
     ) -> tuple[tuple[EngineView, ...], list[float], list[float]]:
         """(candidates, their log scores, their confidences), in engine-id order; `timing`: `_evaluate`'s."""
         params = self._params
@@ -353,29 +370,38 @@ class PrismPolicy:
 
     def timings(
         self, features: RequestFeatures, snapshot: ClusterSnapshot
-    ) -> list[tuple[EngineId, float, float, bool]]:
-        """(engine, predicted first-token s, predicted finish s, feasible) per candidate, in engine-id order
-        (for tests and diagnostics: what `decide` prices)."""
-        timing: list[tuple[float, float, bool]] = []
+    ) -> list[tuple[EngineId, float, float, float]]:
+        """(engine, predicted first-token s, predicted finish s, margin) per candidate, in engine-id order
+        (for tests and diagnostics: what `decide` prices; the engine is feasible when the margin is <= 1)."""
+        timing: list[tuple[float, float, float]] = []
         engines, _, _ = self._totals(features, snapshot, timing)
         return [(e.engine_id, *t) for e, t in zip(engines, timing, strict=True)]
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
-        return self.decide(features, snapshot)[0]
+        return self._decide(features, snapshot, shed=False)[0]
 
     def decide(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineId | None, str]:
-        """The pick and why: "scored" (the highest score), or "no_feasible_soonest" when no candidate meets
-        the request's TTFT and TPOT (predicted) and the one that finishes it soonest is taken instead."""
-        timing: list[tuple[float, float, bool]] = []
+        """The pick and why: "scored" (the highest score), "no_feasible_soonest" when no candidate meets the
+        request's TTFT and TPOT (predicted) and the one that finishes it soonest is taken instead, or (None,
+        "no_feasible_shed") when `overload` is "shed", the request is new and no candidate is within
+        `shed_margin` of its SLO."""
+        return self._decide(features, snapshot, shed=self._params.overload == "shed")
+
+    def _decide(self, features: RequestFeatures, snapshot: ClusterSnapshot,
+                *, shed: bool) -> tuple[EngineId | None, str]:
+        timing: list[tuple[float, float, float]] = []
         engines, totals, conf = self._totals(features, snapshot, timing)
         if not engines:
             return None, NO_CANDIDATE
-        if not any(feasible for _, _, feasible in timing):
-            soonest = min(finish for _, finish, _ in timing)
-            floor = soonest + TIE_TOLERANCE * max(1.0, abs(soonest))
-            tied = [i for i, (_, finish, _) in enumerate(timing) if finish <= floor]
-            return engines[tied[min(int(features.rand * len(tied)), len(tied) - 1)]].engine_id, NO_FEASIBLE
-        return self._best(engines, totals, conf, features), SCORED
+        best_margin = min(margin for _, _, margin in timing)
+        if best_margin <= 1.0:
+            return self._best(engines, totals, conf, features), SCORED
+        if shed and best_margin > self._params.shed_margin and features.resumed_tokens == 0:
+            return None, SHED
+        soonest = min(finish for _, finish, _ in timing)
+        floor = soonest + TIE_TOLERANCE * max(1.0, abs(soonest))
+        tied = [i for i, (_, finish, _) in enumerate(timing) if finish <= floor]
+        return engines[tied[min(int(features.rand * len(tied)), len(tied) - 1)]].engine_id, NO_FEASIBLE
 
     @staticmethod
     def _best(engines: tuple[EngineView, ...], totals: list[float], conf: list[float],

@@ -32,6 +32,7 @@ from gateway.dispatch.life import (
     Dispatch,
     GiveUp,
     RecordLatency,
+    Shed,
     record_dispatch,
     record_outcome,
 )
@@ -314,12 +315,12 @@ class _Run:
         while True:
             decision = life.route(decider.policy, decider.moment(now_s))
             self.decisions[decider.index] += 1
-            if isinstance(decision, Dispatch) and decision.why:
+            if isinstance(decision, Dispatch | Shed) and decision.why:
                 whys = self.whys[decider.index]
                 whys[decision.why] = whys.get(decision.why, 0) + 1
             if self.on_decision is not None:
                 self.on_decision(decision)
-            if isinstance(decision, GiveUp):
+            if isinstance(decision, GiveUp | Shed):  # live: 503 no engine / 503 fleet_saturated
                 self._fail(index, now_s, request, decision.message, None)
                 return
             record_dispatch(state, decision)

@@ -23,7 +23,8 @@ from gateway.policies.prism import (
 from gateway.policies.registry import make_policy
 from gateway.policies.static_weighted import GPU_CLASS_WEIGHTS
 
-P = PrismParams()  # defaults: T_ttft 2 s, T_tpot 50 ms, k 4, tau 1 s, kappa 1, beta 1.5, d 128, P 20k tok/s
+P = PrismParams()  # defaults: T_ttft 2 s, T_tpot 50 ms, k 4, tau 4 s, kappa 1, beta 1.5, d 128, P 20k tok/s
+TAU = P.load_scale_s
 
 
 def f(m: float, k: float = 4.0) -> float:
@@ -141,7 +142,7 @@ def test_latency_factor_is_half_at_the_slo_and_plummets_beyond() -> None:
 )
 def test_load_factor(case: str, view_fields: dict[str, Any], expected_rho_s: float) -> None:
     got = only(engine("a", **view_fields), features(prompt_tokens=100)).load
-    assert got == pytest.approx(1 / (1 + expected_rho_s / 1.0), rel=1e-12), case
+    assert got == pytest.approx(1 / (1 + expected_rho_s / TAU), rel=1e-12), case
 
 
 def cap(x: float, kappa: float = 1.0) -> float:
@@ -222,7 +223,7 @@ def test_fallback_peak_is_the_median_reported_one() -> None:
     plain = engine("a", pending_prefill_tokens=900)
     snap = snapshot(plain, engine("b", peak_throughput_tokens_per_s=4000.0), engine("c", **LENS))
     got = factors(plain, features(prompt_tokens=100), snap).load
-    assert got == pytest.approx(1 / (1 + 1000 / 7000))
+    assert got == pytest.approx(1 / (1 + 1000 / 7000 / TAU))
 
 
 def test_without_any_p_max_the_gpu_class_scales_the_default_peak() -> None:
@@ -232,9 +233,9 @@ def test_without_any_p_max_the_gpu_class_scales_the_default_peak() -> None:
     snap = snapshot(h100, a6000x2, other)
     feats = features(prompt_tokens=100)
     peak_b = 20_000 * 2 * GPU_CLASS_WEIGHTS["a6000"]
-    assert factors(h100, feats, snap).load == pytest.approx(1 / (1 + 2000 / 20_000))
-    assert factors(a6000x2, feats, snap).load == pytest.approx(1 / (1 + 2000 / peak_b))
-    assert factors(other, feats, snap).load == pytest.approx(1 / (1 + 2000 / 20_000))
+    assert factors(h100, feats, snap).load == pytest.approx(1 / (1 + 2000 / 20_000 / TAU))
+    assert factors(a6000x2, feats, snap).load == pytest.approx(1 / (1 + 2000 / peak_b / TAU))
+    assert factors(other, feats, snap).load == pytest.approx(1 / (1 + 2000 / 20_000 / TAU))
     assert class_peak_tokens_per_s("a100-llama3-8b", P) == pytest.approx(20_000 * GPU_CLASS_WEIGHTS["a100"])
     assert pick(snapshot(a6000x2, engine("a", profile="h100-llama3-8b", pending_prefill_tokens=2500))) == "a"
 
@@ -361,7 +362,7 @@ def decide(snap: ClusterSnapshot, feats: RequestFeatures | None = None) -> tuple
 
 def test_no_feasible_engine_takes_the_one_that_finishes_soonest_and_says_so() -> None:
     # Both past the 50 ms TPOT. By score b wins (a's heavy load); a finishes 50 tokens sooner.
-    a = engine("a", **LENS, predicted_batch_latency_s=0.06, pending_work_tokens=50_000.0, num_running=10)
+    a = engine("a", **LENS, predicted_batch_latency_s=0.06, pending_work_tokens=200_000.0, num_running=10)
     b = engine("b", **LENS, predicted_batch_latency_s=0.09, num_running=10)
     snap = snapshot(a, b)
     scores = dict((e, s) for e, s, _ in PrismPolicy().scores(features(), snap))
@@ -613,3 +614,41 @@ async def test_the_pick_reason_is_counted_live(headers: dict[str, str], why: str
         assert resp.status == 200
         exposition = await (await client.get("/metrics")).text()
     assert f'switchyard_policy_picks_total{{policy="prism",why="{why}"}} 1.0' in exposition, exposition
+
+
+def test_a_request_no_engine_can_serve_in_time_is_shed_when_asked() -> None:
+    # Both engines past the 50 ms TPOT: a's margin is 0.06 / 0.05 = 1.2, b's 0.09 / 0.05 = 1.8.
+    a = engine("a", **LENS, predicted_batch_latency_s=0.06, num_running=10)
+    b = engine("b", **LENS, predicted_batch_latency_s=0.09, num_running=10)
+    snap = snapshot(a, b)
+    margins = {e: m for e, _, _, m in PrismPolicy().timings(features(), snap)}
+    assert margins["a"] == pytest.approx(1.2) and margins["b"] == pytest.approx(1.8)
+    shed = PrismPolicy(PrismParams(overload="shed"))
+    assert shed.decide(features(), snap) == (None, "no_feasible_shed")
+    assert shed.pick(features(), snap) == "a"  # pick never sheds: a follow must land somewhere
+    assert shed.decide(features(resumed_tokens=30), snap) == ("a", "no_feasible_soonest")  # nor a follow
+    # within the margin: still served, by the soonest finish
+    assert PrismPolicy(PrismParams(overload="shed", shed_margin=1.25)).decide(features(), snap) == \
+        ("a", "no_feasible_soonest")
+    # a feasible engine: scored as ever
+    assert shed.decide(features(), snapshot(a, b, engine("c")))[1] == "scored"
+    # the default serves the soonest
+    assert PrismPolicy().decide(features(), snap) == ("a", "no_feasible_soonest")
+
+
+async def test_a_shed_request_is_a_503_fleet_saturated_with_retry_after() -> None:
+    fake = FakeEngine("a", ok_script("x"))
+    policy = {"name": "prism", "params": {"overload": "shed"}}
+    async with serving(fake, policy=policy) as client:
+        resp = await client.post(CHAT, json=BODY, headers={"x-slo-ttft-ms": "0.0001"})
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        err = (await resp.json())["error"]
+        assert (err["type"], err["code"]) == ("service_unavailable", "fleet_saturated")
+        assert "time-to-first-token" in err["message"]
+        resp = await client.post(CHAT, json=BODY)  # the default SLO is met: served
+        assert resp.status == 200
+        exposition = await (await client.get("/metrics")).text()
+    assert 'switchyard_policy_picks_total{policy="prism",why="no_feasible_shed"} 1.0' in exposition
+    assert 'switchyard_routing_decisions_total{policy="prism",reason="shed"} 1.0' in exposition
+    assert len(fake.requests) == 1

@@ -24,13 +24,24 @@ from gateway.dispatch.life import (
     Outcome,
     RecordLatency,
     Retry,
+    Shed,
     StreamFailed,
     record_dispatch,
 )
 from gateway.dispatch.policy_set import PolicySet
 from gateway.dispatch.retry import RetryBudget, RetryParams
-from gateway.domain import ChatTurn, EngineEvent, EngineId, EngineRequest, Finished, RouteTag
+from gateway.domain import (
+    ChatTurn,
+    ClusterSnapshot,
+    EngineEvent,
+    EngineId,
+    EngineRequest,
+    Finished,
+    RequestFeatures,
+    RouteTag,
+)
 from gateway.observability.metrics import GatewayMetrics
+from gateway.policies.base import SHED
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.policies.round_robin import RoundRobinPolicy
 from loadgen.datasets.request import Request
@@ -116,6 +127,27 @@ def test_retries_wait_a_jittered_backoff_and_stop_when_the_budget_is_spent() -> 
 def test_no_eligible_engine_gives_up_at_once() -> None:
     life = ChoiceLife(replace(REQUEST, model="other"), HINTS)
     assert life.route(RoundRobinPolicy(), moment(seq=0)) == GiveUp("no engine for model 'other'", 0)
+
+
+class Shedding:
+    """A policy that sheds every request (an `ExplainedPolicy` answering `SHED`)."""
+
+    NAME = "shedding"
+
+    def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
+        return A
+
+    def decide(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineId | None, str]:
+        return None, SHED
+
+
+def test_a_policy_that_sheds_ends_the_life_with_shed_not_give_up() -> None:
+    life = ChoiceLife(REQUEST, HINTS)
+    decision = life.route(Shedding(), moment(seq=0))
+    assert isinstance(decision, Shed) and decision.why == SHED and decision.reason == "slo_unattainable"
+    assert life.done and life.tried == [] and life.decisions == [decision]
+    with pytest.raises(LifeError):
+        life.route(Shedding(), moment(seq=1))
 
 
 def test_no_retry_once_the_stream_began() -> None:
