@@ -103,29 +103,41 @@ def _requests(dataset: str, count: int) -> list[Any]:
     return _CACHE[key]
 
 
-def run_point(task: tuple[str, str, float, str, int]) -> dict[str, Any]:
-    """One simulation: (scenario, workload, load, arm, requests) -> figures."""
+def simulate_point(requests: list[Any], timestamps: bool, load: float, scenario: str, policy: str,
+                   params: dict[str, Any], planning: bool, slo_ms: tuple[float, float]) -> dict[str, Any]:
+    """Replay `requests` at `load` (req/s, or the timestamp replay's speedup) on the scenario's fleet under
+    `policy` with the SLO (TTFT, TPOT ms) on every request: the plan, the `SimResult`, its summary
+    (attainment over all arrivals), the offered rate and the simulation's wall time."""
     from loadgen.arrivals import ArrivalSpec, schedule  # noqa: PLC0415
-    from loadgen.compare import share_by_profile  # noqa: PLC0415
     from loadgen.metrics import Slo, summarize  # noqa: PLC0415
     from loadgen.simulate import SimOptions, parse_engines, simulate  # noqa: PLC0415
 
-    scenario, workload, load, arm, count = task
-    dataset, timestamps, _, kind = WORKLOADS[workload]
-    ttft_ms, tpot_ms = SLOS[(kind, scenario)]
-    policy, params, planning = ARMS[arm]
-    requests = _requests(dataset, count)
     spec = (ArrivalSpec(timestamps=True, speedup=load, seed=0) if timestamps
             else ArrivalSpec(rate_per_s=load, seed=0))
     plan = schedule(requests, spec)
+    ttft_ms, tpot_ms = slo_ms
     options = SimOptions(policy=policy, policy_params=params, seed=0, lens_planning=planning,
                          slo_ttft_s=ttft_ms / 1e3, slo_tpot_s=tpot_ms / 1e3)
     started = time.perf_counter()
     result = simulate(plan, parse_engines(SCENARIOS[scenario]), options)
     wall_s = time.perf_counter() - started
-    slo = Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms)
-    s = summarize(result.outcomes, max(result.duration_s, 1e-9), slo).to_dict()
+    summary = summarize(result.outcomes, max(result.duration_s, 1e-9), Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
     offered = len(plan) / max(plan[-1][0] - plan[0][0], 1e-9)
+    return {"plan": plan, "result": result, "summary": summary, "offered": offered, "wall_s": wall_s}
+
+
+def run_point(task: tuple[str, str, float, str, int]) -> dict[str, Any]:
+    """One simulation: (scenario, workload, load, arm, requests) -> figures."""
+    from loadgen.compare import share_by_profile  # noqa: PLC0415
+
+    scenario, workload, load, arm, count = task
+    dataset, timestamps, _, kind = WORKLOADS[workload]
+    ttft_ms, tpot_ms = SLOS[(kind, scenario)]
+    policy, params, planning = ARMS[arm]
+    point = simulate_point(_requests(dataset, count), timestamps, load, scenario, policy, params, planning,
+                           (ttft_ms, tpot_ms))
+    plan, result, offered, wall_s = point["plan"], point["result"], point["offered"], point["wall_s"]
+    s = point["summary"].to_dict()
     return {
         "scenario": scenario, "workload": workload, "load": load, "arm": arm, "requests": len(plan),
         "offered_req_per_s": offered, "slo_ttft_ms": ttft_ms, "slo_tpot_ms": tpot_ms,

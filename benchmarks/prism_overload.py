@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from json_out import write_json  # noqa: E402
-from nexussched_repro import SCENARIOS, SLOS, WORKLOADS, _requests  # noqa: E402
+from nexussched_repro import SCENARIOS, SLOS, WORKLOADS, _requests, simulate_point  # noqa: E402
 
 
 class Cell(NamedTuple):
@@ -82,6 +82,8 @@ def cells() -> dict[str, Cell]:
     return out
 
 
+CELLS = cells()
+
 # arm -> (policy, params, LENS planning); PRISM's params are the sweep's result laid over these.
 ARMS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "round_robin": ("round_robin", {}, False),
@@ -93,28 +95,17 @@ ARMS: dict[str, tuple[str, dict[str, Any], bool]] = {
 
 def run(task: tuple[str, float, str, dict[str, Any], int]) -> dict[str, Any]:
     """One simulation: (cell, load, arm, PRISM params, requests) -> figures."""
-    from loadgen.arrivals import ArrivalSpec, schedule  # noqa: PLC0415
-    from loadgen.metrics import Slo, summarize  # noqa: PLC0415
-    from loadgen.simulate import SimOptions, parse_engines, simulate  # noqa: PLC0415
-
     name, load, arm, prism_params, count = task
-    cell = cells()[name]
+    cell = CELLS[name]
     policy, params, planning = ARMS[arm]
     if policy == "prism":
         params = {**prism_params, **params}
     rate = load * AZURE_RATE[cell.dataset] if cell.timestamps else load
     count = min(max(count, math.ceil(rate * MIN_ARRIVALS_S)), MAX_REQUESTS)
     requests = _requests(cell.dataset, count)
-    spec = (ArrivalSpec(timestamps=True, speedup=load, seed=0) if cell.timestamps
-            else ArrivalSpec(rate_per_s=load, seed=0))
-    plan = schedule(requests, spec)
-    ttft_ms, tpot_ms = cell.slo_ms
-    options = SimOptions(policy=policy, policy_params=params, seed=0, lens_planning=planning,
-                         slo_ttft_s=ttft_ms / 1e3, slo_tpot_s=tpot_ms / 1e3)
-    started = time.perf_counter()
-    result = simulate(plan, parse_engines(SCENARIOS[cell.scenario]), options)
-    summary = summarize(result.outcomes, max(result.duration_s, 1e-9), Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
-    offered = len(plan) / max(plan[-1][0] - plan[0][0], 1e-9)
+    point = simulate_point(requests, cell.timestamps, load, cell.scenario, policy, params, planning,
+                           cell.slo_ms)
+    plan, result, summary, offered = point["plan"], point["result"], point["summary"], point["offered"]
     attainment = summary.slo_attainment or 0.0
     whys: dict[str, int] = {}
     for row in result.per_decider:
@@ -124,7 +115,7 @@ def run(task: tuple[str, float, str, dict[str, Any], int]) -> dict[str, Any]:
             "slo_attainment": attainment, "goodput_req_per_s": attainment * offered,
             "within_slo": round(attainment * len(plan)), "failed": len(plan) - summary.completed,
             "p50_ttft_ms": summary.to_dict().get("median_ttft_ms"), "why": whys,
-            "sim_wall_s": time.perf_counter() - started}
+            "sim_wall_s": point["wall_s"]}
 
 
 # ---- sweep -------------------------------------------------------------------------------------------------
@@ -150,7 +141,7 @@ def _with(params: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    training = [(name, float(load)) for name, cell in cells().items() if not cell.held_out
+    training = [(name, float(load)) for name, cell in CELLS.items() if not cell.held_out
                 for load in _repro_loads(name)[-2:]]
     best: dict[str, Any] = {}
     steps = []
@@ -184,7 +175,7 @@ def knee(task: tuple[str, int]) -> dict[str, Any]:
     """Round robin up a sqrt(2) grid from half the cell's first load until its goodput falls below 80 % of the
     best; the knee is the best."""
     name, count = task
-    load = cells()[name].first_load / 2.0
+    load = CELLS[name].first_load / 2.0
     ceiling = 4.0 * _repro_loads(name)[-1]
     rows: list[dict[str, Any]] = []
     while True:
@@ -199,21 +190,21 @@ def knee(task: tuple[str, int]) -> dict[str, Any]:
 
 
 def evaluate(args: argparse.Namespace, prism_params: dict[str, Any]) -> dict[str, Any]:
-    chosen = [c for c in cells() if not args.cells or c in args.cells.split(",")]
+    chosen = [c for c in CELLS if not args.cells or c in args.cells.split(",")]
     with multiprocessing.Pool(args.jobs) as pool:
         knees = {k["cell"]: k for k in pool.map(knee, [(c, args.requests) for c in chosen])}
         tasks = []
         for name in chosen:
             k = knees[name]["knee"]
-            for load in (cells()[name].trace_rate, k, 2 * k):
+            for load in (CELLS[name].trace_rate, k, 2 * k):
                 tasks += [(name, load, arm, prism_params, args.requests) for arm in ARMS]
         rows = pool.map(run, tasks)
     points = []
     for name in chosen:
         k = knees[name]["knee"]
-        for point, load in (("trace", cells()[name].trace_rate), ("knee", k), ("2x_knee", 2 * k)):
+        for point, load in (("trace", CELLS[name].trace_rate), ("knee", k), ("2x_knee", 2 * k)):
             by_arm = {r["arm"]: r for r in rows if r["cell"] == name and r["load"] == load}
-            points.append({"cell": name, "point": point, "load": load, "held_out": cells()[name].held_out,
+            points.append({"cell": name, "point": point, "load": load, "held_out": CELLS[name].held_out,
                            "arms": by_arm})
     return {"knees": knees, "points": points}
 
@@ -276,7 +267,7 @@ def main() -> int:
         doc = evaluate(args, params)
         doc["table"] = report(doc["points"])
         doc["config"] = {"requests": args.requests, "seed": 0, "prism_params": params,
-                         "cells": {k: c._asdict() for k, c in cells().items()}}
+                         "cells": {k: c._asdict() for k, c in CELLS.items()}}
     doc["wall_s"] = time.perf_counter() - started
     write_json(args.output, doc)
     print(f"wrote {args.output} ({doc['wall_s']:.0f} s)")

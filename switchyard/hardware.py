@@ -58,7 +58,7 @@ GPUS: dict[str, GpuSpec] = {
     # BF16 TFLOPs) and NVLink 900 GB/s. Key "h20e": no '-' and no 'x', on which profile names split
     # (`profiles.shape_profile` on '-', `static_weighted.gpu_class_weight` on 'x'). Price: no public on-demand
     # price for this variant is known to us; $1.50/h reuses the 96 GB H20's CAUCHY Table 1 price unchanged, a
-    # placeholder, not a quote (`--price h20e=USD` overrides it).
+    # stand-in, not a quote (`--price h20e=USD` overrides it).
     "h20e": GpuSpec("h20e", "H20-141GB", 148.0, 4800.0, 141.0, 1.50, 450.0, _NVLINK_LATENCY_S),
     # CAUCHY Table 1 (H800-SXM): 989 TFLOPs, 3350 GB/s, 80 GB, $2.69/h. NVLink limited to 400 GB/s on H800.
     "h800": GpuSpec("h800", "H800-SXM-80GB", 989.0, 3350.0, 80.0, 2.69, 200.0, _NVLINK_LATENCY_S),
