@@ -16,8 +16,8 @@ and summary figures (mean predicted and actual TTFT per engine, share of picks p
 plot per run (`.png`, four panels: queue per engine, pick share per engine, predicted vs actual TTFT of the
 chosen engine, the factors of each engine's picks over time).
 
-The instrumentation wraps `PrismPolicy.pick` in this process only (it calls the policy's own `factors` and
-`_totals` on the same snapshot); routing is unchanged.
+The instrumentation wraps `PrismPolicy.decide` in this process only (it calls the module's `factors` and the
+policy's `timings` on the same snapshot); routing is unchanged.
 
     .venv/bin/python benchmarks/prism_diagnose.py [--workload sharegpt|conv] [--load 75] [--requests 1500]
 """

@@ -80,7 +80,10 @@ class EngineView:
     ready: bool = True  # connected, reported ready, not draining
     stale: bool = False  # no state report within the staleness bound: the pushed figures are local accounting
     ejected: bool = False  # out of the pool by outlier detection (or its one half-open probe is in flight)
-    state_age_s: float = 0.0  # snapshot time minus the time the last report arrived
+    # When the last report arrived (the gateway's clock; when the engine was added, before any report). The
+    # report's age is `ClusterSnapshot.state_age_s(view)`: a view holds nothing that depends on the snapshot's
+    # time alone, so the cluster state reuses it across snapshots while the engine is unchanged.
+    reported_at_s: float = 0.0
     # Pushed state (last report).
     seq: int = 0
     num_running: int = 0
@@ -203,6 +206,11 @@ _NO_PENDING: Mapping[EngineId, int] = MappingProxyType({})
 _NO_STAGES: Mapping[str, StageLayout] = MappingProxyType({})
 
 
+# (membership, model) -> positions of the engines serving the model (`ClusterSnapshot.serving`).
+_SERVING_POSITIONS: dict[tuple[int, str], tuple[int, ...]] = {}
+_SERVING_MEMO_SIZE = 256
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     """The fleet at one instant. `engines` is in a stable order (by engine id). `routes`: model -> the
@@ -225,10 +233,30 @@ class ClusterSnapshot:
                 return e
         return None
 
+    def state_age_s(self, view: EngineView) -> float:
+        """Seconds from `view`'s last report arriving to this snapshot (from the engine's addition before
+        any report)."""
+        return self.taken_at_s - view.reported_at_s
+
     def serving(self, model: str) -> tuple[EngineView, ...]:
         """Engines of `model` that can take a request: ready and not ejected. Stale ones stay (availability
-        is decided by the transport, not by report age; a stale view carries local accounting instead)."""
-        return tuple(e for e in self.engines if e.model == model and e.ready and not e.ejected)
+        is decided by the transport, not by report age; a stale view carries local accounting instead).
+        Their positions are memoised per membership (which fixes model, readiness and ejection by position),
+        so a routing decision does not walk the whole fleet."""
+        engines = self.engines
+        if self.membership < 0:
+            return tuple(e for e in engines if e.model == model and e.ready and not e.ejected)
+        key = (self.membership, model)
+        positions = _SERVING_POSITIONS.get(key)
+        if positions is None:
+            positions = tuple(
+                i for i, e in enumerate(engines) if e.model == model and e.ready and not e.ejected)
+            if len(_SERVING_POSITIONS) >= _SERVING_MEMO_SIZE:
+                _SERVING_POSITIONS.clear()
+            _SERVING_POSITIONS[key] = positions
+        if len(positions) == len(engines):
+            return engines
+        return tuple(map(engines.__getitem__, positions))
 
 
 @dataclass(frozen=True, slots=True)

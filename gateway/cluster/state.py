@@ -26,6 +26,13 @@ is decided by the transport: engines leave the pool by their own status (not rea
 gone) or by outlier detection (`note_success` / `note_failure`, the per-engine machine of
 `gateway.cluster.health`), never by report age.
 
+Views are reused: a snapshot rebuilds the `EngineView` of an engine only when something about it changed (an
+event touched it, or it crossed a time boundary: staleness, a latency sample leaving the window, the end of an
+ejection period); the other views are the very objects of the previous snapshot. So a view holds nothing that
+depends on the snapshot's time alone: `EngineView.reported_at_s` is when its report arrived, and its age is
+`ClusterSnapshot.state_age_s(view)`. Policies may memoise per view object (identity), and a dispatch costs the
+snapshot one view, not one per engine.
+
 Latency window: `note_latency(engine, ttft_s, e2e_s, now_s)` records one finished request (the dispatcher
 calls it for successful requests only, with latencies measured from its dispatch to that engine). A sample
 taken at t counts in the snapshot at now_s while now_s - t < latency_window_s; `recent_ttft_s` /
@@ -34,7 +41,9 @@ taken at t counts in the snapshot at now_s while now_s - t < latency_window_s; `
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -95,7 +104,10 @@ class _Engine:
     # STAR: the last prediction round's predictions and future-load summary (reports carry them per round).
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
-    last_view: EngineView | None = None  # in the last snapshot (for `ClusterSnapshot.membership`)
+    last_view: EngineView | None = None  # in the last snapshot (reused while the engine is clean)
+    index: int = -1  # position in the engines' id order; -1 once removed
+    dirty: bool = True  # its view must be rebuilt at the next snapshot
+    wake_s: float = math.inf  # when its view changes by time alone (see `_boundary_s`)
 
     def expire_latencies(self, now_s: float, window_s: float) -> None:
         samples = self.latencies
@@ -122,7 +134,7 @@ class ClusterState:
     ) -> None:
         """A cached snapshot is reused while nothing changed, no engine crossed its staleness boundary, no
         latency sample left its window and it is younger than `snapshot_resolution_s` (so `taken_at_s` /
-        `state_age_s` lag `now_s` by at most that).
+        `ClusterSnapshot.state_age_s` lag `now_s` by at most that).
         """
         if latency_window_s <= 0:
             raise ValueError(f"latency_window_s must be > 0, got {latency_window_s}")
@@ -135,9 +147,14 @@ class ClusterState:
         self._engines: dict[EngineId, _Engine] = {}
         self._order: tuple[_Engine, ...] = ()  # the engines sorted by id
         self._sessions: OrderedDict[str, tuple[EngineId, float]] = OrderedDict()  # oldest use first
-        self._changed = True
+        self._changed = True  # the snapshot object must be rebuilt (some view, the routes or the stages)
         self._cached: ClusterSnapshot | None = None
-        self._next_stale_s = float("inf")
+        self._views: list[EngineView] = []  # the last views, in `_order`
+        self._dirty: list[_Engine] = []  # engines whose views must be rebuilt
+        # (time, tie, engine): when an engine's view changes by time alone; lazy (an entry whose time is no
+        # longer the engine's `wake_s` is skipped).
+        self._wakes: list[tuple[float, int, _Engine]] = []
+        self._wake_ties = itertools.count()
         # Weighted picks (goodput_rr): model -> picks per group since its weights last changed.
         self._routes: Mapping[str, RouteTally] = MappingProxyType({})
         # CascadeInfer: model -> the length stages its rescheduler last published (`publish_stages`).
@@ -152,25 +169,40 @@ class ClusterState:
         if engine_id in self._engines:
             raise ValueError(f"engine {engine_id!r} is already in the store")
         self._engines[engine_id] = _Engine(engine_id=engine_id, added_at_s=now_s)
+        self._reorder()
+
+    def _reorder(self) -> None:
         self._order = tuple(self._engines[e] for e in sorted(self._engines))
+        self._views = []
+        self._dirty = []
+        for index, state in enumerate(self._order):
+            state.index, state.dirty = index, True
+            self._dirty.append(state)
         self._changed = True
         self._membership = next(_MEMBERSHIP_EPOCHS)
+
+    def _touch(self, state: _Engine) -> None:
+        """Something about `state` changed: rebuild its view at the next snapshot."""
+        if not state.dirty:
+            state.dirty = True
+            self._dirty.append(state)
+        self._changed = True
 
     def remove_engine(self, engine_id: EngineId) -> None:
         """Forget an engine and its accounting (an explicit act); KeyError when unknown."""
-        del self._engines[engine_id]
-        self._order = tuple(self._engines[e] for e in sorted(self._engines))
-        self._changed = True
-        self._membership = next(_MEMBERSHIP_EPOCHS)
+        self._engines.pop(engine_id).index = -1
+        self._reorder()
 
     def on_describe(self, engine_id: EngineId, description: EngineDescription) -> None:
-        self._engines[engine_id].description = description
-        self._changed = True
+        state = self._engines[engine_id]
+        state.description = description
+        self._touch(state)
 
     def on_connect(self, engine_id: EngineId) -> None:
         """The engine's state stream delivered its first report of a connection (call before `on_report`)."""
-        self._engines[engine_id].connected = True
-        self._changed = True
+        state = self._engines[engine_id]
+        state.connected = True
+        self._touch(state)
 
     def on_disconnect(self, engine_id: EngineId) -> None:
         """The state stream ended: not ready until it reconnects; the next report sets a new clock anchor."""
@@ -178,7 +210,7 @@ class ClusterState:
         state.connected = False
         state.anchor_engine_ts_s = None
         state.predictions, state.future_load = (), None  # a reconnected agent starts its rounds anew
-        self._changed = True
+        self._touch(state)
 
     def on_report(self, engine_id: EngineId, report: EngineReport, received_at_s: float) -> None:
         """Record a state report received at `received_at_s`; duplicates and out-of-order reports of one
@@ -206,7 +238,7 @@ class ClusterState:
                 state.unreported = still_unreported
             state.anchor_engine_ts_s = engine_ts_s
             state.anchor_received_s = received_at_s
-        self._changed = True
+        self._touch(state)
 
     # ---- optimistic accounting and sessions ----------------------------------------------------------------
 
@@ -245,7 +277,7 @@ class ClusterState:
             self._sessions[session_id] = (engine_id, now_s)
             self._sessions.move_to_end(session_id)
             self.prune_sessions(now_s)
-        self._changed = True
+        self._touch(state)
 
     def _tally(self, route: RouteTag) -> None:
         current = self._routes.get(route.model)
@@ -284,7 +316,7 @@ class ClusterState:
             state.unreported.remove(dispatch)
             state.unreported_tokens -= dispatch.tokens
             state.unreported_prompt_tokens -= dispatch.prompt_tokens
-        self._changed = True
+        self._touch(state)
 
     def engine_of(self, request_id: str) -> EngineId | None:
         """The engine holding `request_id`'s newest in-flight dispatch (None: not in flight). O(engines)."""
@@ -301,7 +333,7 @@ class ClusterState:
         state = self._engines.get(engine_id)
         if state is None or not state.health.on_success():
             return False
-        self._changed = True
+        self._touch(state)
         return True
 
     def note_failure(self, engine_id: EngineId, reason: FailureReason, now_s: float) -> bool:
@@ -315,8 +347,7 @@ class ClusterState:
         ejected = state.health.on_failure(
             reason, now_s, self._outlier, may_eject=self._outlier.may_eject(out, len(peers))
         )
-        if ejected:
-            self._changed = True
+        self._touch(state)  # the failure may also have ended a half-open probe
         return ejected
 
     @staticmethod
@@ -337,7 +368,7 @@ class ClusterState:
         state.latencies.append((now_s, ttft_s, e2e_s))
         state.ttft_sum_s += ttft_s
         state.e2e_sum_s += e2e_s
-        self._changed = True
+        self._touch(state)
 
     def session_lookup(self, session_id: str, now_s: float) -> tuple[EngineId | None, float]:
         """(engine that last served the session, when) or (None, 0.0) when unknown or older than the TTL."""
@@ -361,47 +392,66 @@ class ClusterState:
     # ---- reads ---------------------------------------------------------------------------------------------
 
     def snapshot(self, now_s: float) -> ClusterSnapshot:
-        """The fleet at `now_s`, engines ordered by id (the cached one when still valid, see `__init__`)."""
+        """The fleet at `now_s`, engines ordered by id (the cached one when still valid, see `__init__`);
+        views of engines nothing happened to since the last snapshot are reused (module docstring)."""
         cached = self._cached
+        wakes = self._wakes
+        next_wake_s = wakes[0][0] if wakes else math.inf
         if (
             cached is not None
             and not self._changed
-            and now_s < self._next_stale_s
+            and now_s < next_wake_s
             and now_s - cached.taken_at_s < self._resolution_s
         ):
             return cached
-        next_stale_s = float("inf")
-        stale_after_s = self._stale_after_s
-        window_s = self._latency_window_s
-        views: list[EngineView] = []
-        view_of = self._view
-        for state in self._order:
-            if state.latencies:
-                state.expire_latencies(now_s, window_s)
-                if state.latencies:
-                    next_stale_s = min(next_stale_s, state.latencies[0][0] + window_s)
-            view = view_of(state, now_s)
+        while wakes and wakes[0][0] <= now_s:  # views that changed by time alone
+            wake_s, _, state = heapq.heappop(wakes)
+            if state.index >= 0 and state.wake_s == wake_s:
+                state.wake_s = math.inf
+                self._touch(state)
+        views = self._views
+        if len(views) != len(self._order):  # membership changed: every view is rebuilt
+            views[:] = [EngineView(engine_id=s.engine_id, model="") for s in self._order]
+        for state in self._dirty:
+            if state.index < 0:
+                continue  # removed since it was touched
+            state.dirty = False
+            view = self._view(state, now_s)
             last = state.last_view
             if last is None or (last.ready is not view.ready or last.ejected is not view.ejected
                                 or last.combo != view.combo or last.model != view.model
                                 or last.profile != view.profile or last.role != view.role):
                 self._membership = next(_MEMBERSHIP_EPOCHS)
-            state.last_view = view
-            if state.report is not None and not view.stale:
-                boundary_s = state.report_received_s + stale_after_s
-                if boundary_s < next_stale_s:
-                    next_stale_s = boundary_s
-            if state.health.ejected_until_s is not None:
-                next_stale_s = min(next_stale_s, state.health.next_change_s(now_s))
-            views.append(view)
+            state.last_view = views[state.index] = view
+            wake_s = self._boundary_s(state, view, now_s)
+            if wake_s != state.wake_s:
+                state.wake_s = wake_s
+                if wake_s < math.inf:
+                    heapq.heappush(wakes, (wake_s, next(self._wake_ties), state))
+        self._dirty.clear()
         snapshot = ClusterSnapshot(taken_at_s=now_s, engines=tuple(views), routes=self._routes,
                                    membership=self._membership, stages=self._stages)
         self._cached = snapshot
-        self._next_stale_s = next_stale_s
         self._changed = False
         return snapshot
 
+    def _boundary_s(self, state: _Engine, view: EngineView, now_s: float) -> float:
+        """The earliest time after `now_s` at which `view` no longer describes the engine though nothing
+        happened to it: its report turns stale, its oldest latency sample leaves the window or its ejection
+        period ends (+inf: none)."""
+        boundary_s = math.inf
+        if state.latencies:
+            boundary_s = state.latencies[0][0] + self._latency_window_s
+        if state.report is not None and not view.stale:  # stale once the age exceeds the bound
+            stale_at_s = math.nextafter(state.report_received_s + self._stale_after_s, math.inf)
+            boundary_s = min(boundary_s, stale_at_s)
+        if state.health.ejected_until_s is not None:
+            boundary_s = min(boundary_s, state.health.next_change_s(now_s))
+        return boundary_s
+
     def _view(self, state: _Engine, now_s: float) -> EngineView:
+        if state.latencies:
+            state.expire_latencies(now_s, self._latency_window_s)
         desc, report = state.description, state.report
         block_size = desc.block_size if desc is not None and desc.block_size > 0 else DEFAULT_BLOCK_SIZE
         max_num_seqs = desc.max_num_seqs if desc is not None else 0
@@ -433,9 +483,8 @@ class ClusterState:
                 ready=False,
                 stale=True,
                 ejected=state.health.out_of_pool(now_s),
-                state_age_s=now_s - state.added_at_s,
+                reported_at_s=state.added_at_s,
             )
-        age_s = now_s - state.report_received_s
         view = EngineView(  # the latest report wins for identity: roles and profiles can change while running
             engine_id=state.engine_id,
             model=report.model,
@@ -459,7 +508,7 @@ class ClusterState:
             ready=state.connected and report.ready and not report.draining,
             stale=False,
             ejected=state.health.out_of_pool(now_s),
-            state_age_s=age_s,
+            reported_at_s=state.report_received_s,
             seq=report.seq,
             num_running=report.num_running,
             num_waiting=report.num_waiting,
@@ -476,7 +525,7 @@ class ClusterState:
             transfer_bytes_per_s=report.transfer_bytes_per_s,
             kv_bytes_per_token=desc.kv_bytes_per_token if desc is not None else 0,
         )
-        if age_s <= self._stale_after_s:
+        if now_s <= state.report_received_s + self._stale_after_s:  # the form `_boundary_s` wakes on
             return view
         # Stale: identity and readiness from the last report, load from local accounting (module docstring).
         used_blocks = -(state.inflight_tokens // -block_size)

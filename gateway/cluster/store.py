@@ -74,7 +74,8 @@ class ClusterStore:
         """`rand` draws the backoff jitter (inject a seeded one in tests); `sleep` waits out a backoff.
 
         A cached snapshot is reused while nothing changed, no engine crossed its staleness boundary and it is
-        younger than `snapshot_resolution_s` (so `taken_at_s` / `state_age_s` lag the clock by at most that).
+        younger than `snapshot_resolution_s` (so `taken_at_s` / `ClusterSnapshot.state_age_s` lag the clock by
+        at most that).
         """
         self._clock = clock
         self._backoff = backoff or Backoff()

@@ -252,7 +252,7 @@ class EngineStateCollector(Collector):
             ready.add_metric(labels, 1.0 if e.ready and not e.ejected else 0.0)
             stale.add_metric(labels, 1.0 if e.stale else 0.0)
             ejected.add_metric(labels, 1.0 if e.ejected else 0.0)
-            age.add_metric(labels, e.state_age_s)
+            age.add_metric(labels, snap.state_age_s(e))
         yield from (running, waiting, kv_free, ready, stale, ejected, age)
 
 

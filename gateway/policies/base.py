@@ -59,4 +59,7 @@ class ExplainedPolicy(Protocol):
 def eligible(features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineView, ...]:
     """Engines serving the request's model, ready, not ejected and not already tried for it (stale ones
     included: their views carry local accounting)."""
-    return tuple(e for e in snapshot.serving(features.model) if e.engine_id not in features.exclude)
+    serving = snapshot.serving(features.model)
+    if not features.exclude:
+        return serving
+    return tuple(e for e in serving if e.engine_id not in features.exclude)

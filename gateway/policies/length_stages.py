@@ -60,8 +60,8 @@ def bid_winner(receivers: Sequence[EngineView], pending: Mapping[EngineId, int],
         return waiting_bytes / (e.transfer_bytes_per_s if e.transfer_bytes_per_s > 0 else link_bytes_per_s)
 
     earliest = sorted(half, key=start_s)[:BID_KEEP_EARLIEST]  # stable: equal starts stay in load order
-    freshest = min(e.state_age_s for e in earliest)
-    tied = [e for e in earliest if e.state_age_s == freshest]
+    freshest = max(e.reported_at_s for e in earliest)  # the youngest report
+    tied = [e for e in earliest if e.reported_at_s == freshest]
     return tied[min(int(rand() * len(tied)), len(tied) - 1)]
 
 

@@ -83,7 +83,8 @@ conv, both fleets of benchmarks/nexussched_repro.py at its two highest loads; Az
 defaults, 0.626 with tau 4 s, 0.723 with shedding at margin 1.0; d 64-512, k 2-8, w_load 0.5-2 and margins
 1.25-3 did no better).
 
-Stale state: with age a = state_age_s, confidence c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
+Stale state: with age a = `ClusterSnapshot.state_age_s(view)`, confidence
+c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
 The state part of the log score, s_e = sum of w_i log S_i over latency, load and capacity, is blended toward
 the candidates' mean: c_e * s_e + (1 - c_e) * mean(s): an old report says less about the engine, so it is
 scored more like a typical engine. (Blending toward 1, "neutral", would instead make an old report of an
@@ -93,14 +94,23 @@ refuses a request.
 Ties: the highest log score within a relative 1e-12 wins; among tied engines the highest confidence (a fresh
 engine beats an older report with the same score); among those, the one at index floor(rand * n) in engine-id
 order, so exact ties spread uniformly without favouring the first engine.
-Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state.
+Cost (issue 17, benchmarks/prism_pick_cost.py): the request-independent terms of every candidate (P_e, L_e,
+W_e, M_e, A_e without a KV shortfall, R_e, ...) are rows of numpy arrays (`_Table`), built from the views
+alone; the policy keeps the last table per model and rebuilds only the rows whose views are new objects (the
+cluster state reuses the view of an engine nothing happened to, so after a dispatch one row changes). A
+decision is then a few vector operations over the candidates.
+Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state other than that memo (a
+function of the views: it never changes a decision).
 """
 
 from __future__ import annotations
 
 import math
+from itertools import compress, count
+from operator import is_not
 from typing import Annotated, ClassVar, Literal, NamedTuple
 
+import numpy as np
 from pydantic import Field, StrictFloat
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
@@ -170,139 +180,305 @@ def class_peak_tokens_per_s(profile: str, params: PrismParams) -> float:
     return params.default_peak_tokens_per_s * (gpu_class_weight(profile) or 1.0)
 
 
-_RequestTerms = tuple[
-    int, int, float, float, float, float, float, float, float, float, EngineId | None, float, int
-]
+class _Table:
+    """The request-independent terms of a tuple of candidate engines: one row per engine (in the tuple's
+    order) of a column-major array, for one `PrismParams` and fallback P_e. A row is a function of its view
+    alone (`_row`), so a table can be kept while its views are the same objects and patched where some are
+    not (`PrismPolicy._table`): the cluster state reuses the view of an engine nothing happened to, so after
+    a dispatch one row changes. The columns (attributes, views of `data`) are named after what they hold.
+    """
+
+    COLUMNS: ClassVar[tuple[str, ...]] = (
+        "latency",  # L_e
+        "first_base",  # L_e + A_e (without a KV shortfall) + Q_e / R_e: t_first before r's own prefill
+        "inv_rate",  # 1 / R_e (1 / P_e when no batch runs)
+        "load_base",  # W_e / (tau P_e)
+        "inv_peak_scaled",  # 1 / (tau P_e)
+        "free_kv",  # M_e (free KV once the unreported dispatches land) where the KV size is known, else +inf
+        "kv_wait_free",  # M_e where a KV shortfall makes r wait (a batch runs), else +inf
+        "block_size",
+        "drain",  # seconds per completion (0 when no batch runs)
+        "ahead",  # requests ahead of r
+        "blocked_slots",  # completions r waits for a sequence slot, floored at 0
+        "per_request",  # KV blocks one completion frees
+        "risk",  # log(slo_risk_penalty) when the engine reports slo_risk, else 0
+        "reported_at",  # when its report arrived
+        "stale",  # 1 when flagged stale
+    )
+    __slots__ = (*COLUMNS, "views", "fallback", "data", "uniform_block_size", "any_kv", "any_stale",
+                 "all_lens", "tpot_s", "tpot_latency", "tpot_margin", "_index_of")
+    latency: np.ndarray
+    first_base: np.ndarray
+    inv_rate: np.ndarray
+    load_base: np.ndarray
+    inv_peak_scaled: np.ndarray
+    free_kv: np.ndarray
+    kv_wait_free: np.ndarray
+    block_size: np.ndarray
+    drain: np.ndarray
+    ahead: np.ndarray
+    blocked_slots: np.ndarray
+    per_request: np.ndarray
+    risk: np.ndarray
+    reported_at: np.ndarray
+    stale: np.ndarray
+
+    def __init__(self, views: tuple[EngineView, ...], params: PrismParams, fallback: float) -> None:
+        self.views, self.fallback = views, fallback
+        class_peaks: dict[str, float] = {}
+        rows = np.array([_row(e, params, fallback, class_peaks) for e in views], dtype=np.float64)
+        self.data = np.asfortranarray(rows.reshape(len(views), len(self.COLUMNS)))  # contiguous columns
+        for index, name in enumerate(self.COLUMNS):
+            setattr(self, name, self.data[:, index])
+        self.tpot_s = math.nan  # the T_tpot the two cached columns hold (NaN: none yet)
+        self.tpot_latency = np.zeros(len(views))  # -log1p(m_tpot^k) + the slo_risk term
+        self.tpot_margin = np.zeros(len(views))  # m_tpot = L_e / T_tpot
+        self.all_lens = all(e.lens is not None for e in views)  # the fallback P_e is unused
+        self._index_of: dict[EngineId, int] | None = None
+        self.uniform_block_size = 0  # the block size when every row has it, else 0
+        self.any_kv = self.any_stale = False  # hints: never wrong when True
+        self._summarise()
+
+    def patch(self, positions: list[int], views: tuple[EngineView, ...], params: PrismParams) -> None:
+        """Rebuild the rows at `positions` from `views` (the new candidates: the same engines in the same
+        order)."""
+        class_peaks: dict[str, float] = {}
+        data, fallback, tpot_s, k = self.data, self.fallback, self.tpot_s, params.latency_steepness
+        summarise = self.any_stale
+        for i in positions:
+            view = views[i]
+            row = _row(view, params, fallback, class_peaks)
+            data[i] = row
+            if row[_BLOCK_SIZE] != self.uniform_block_size or row[_STALE]:
+                summarise = True
+            if row[_FREE_KV] != _INF:
+                self.any_kv = True
+            if view.lens is None:
+                self.all_lens = False
+            if tpot_s == tpot_s:  # keep the cached TPOT columns current
+                m_tpot = row[_LATENCY] / tpot_s
+                self.tpot_margin[i] = m_tpot
+                self.tpot_latency[i] = row[_RISK] - math.log1p(min(m_tpot, _max_margin(params)) ** k)
+        self.views = views
+        if summarise:
+            self._summarise()
+
+    def _summarise(self) -> None:
+        sizes = self.block_size
+        uniform = len(sizes) > 0 and bool((sizes == sizes[0]).all())
+        self.uniform_block_size = int(sizes[0]) if uniform else 0
+        self.any_kv = bool((self.free_kv != _INF).any())
+        self.any_stale = bool(self.stale.any())
+
+    def index_of(self, engine_id: EngineId) -> int:
+        """The row of `engine_id` (-1: not a candidate); rows keep their engines while the table lives."""
+        if self._index_of is None:
+            self._index_of = {e.engine_id: i for i, e in enumerate(self.views)}
+        return self._index_of.get(engine_id, -1)
+
+    def use_tpot(self, tpot_s: float, params: PrismParams) -> None:
+        """Make the TPOT columns hold `tpot_s`'s values (requests mostly share one SLO: kept between them)."""
+        if tpot_s != self.tpot_s:
+            self.tpot_s = tpot_s
+            self.tpot_margin = self.latency / tpot_s
+            clipped = np.minimum(self.tpot_margin, _max_margin(params))
+            self.tpot_latency = self.risk - np.log1p(clipped**params.latency_steepness)
+
+    def demand_blocks(self, tokens: int) -> float | np.ndarray:
+        """ceil(tokens / block size) per row (a number when every row has the same block size)."""
+        size = self.uniform_block_size
+        return float(-(tokens // -size)) if size else np.ceil(tokens / self.block_size)
 
 
-def _request_terms(features: RequestFeatures, params: PrismParams, fallback_peak: float) -> _RequestTerms:
-    """What every engine's factors share for one request, computed once per pick."""
+_LATENCY, _BLOCK_SIZE, _FREE_KV, _RISK, _STALE = (
+    _Table.COLUMNS.index(name) for name in ("latency", "block_size", "free_kv", "risk", "stale"))
+_INF = math.inf
+_EXP_UNDERFLOW = 746.0  # exp(-746) == 0.0 in double precision
+
+
+def _max_margin(params: PrismParams) -> float:
+    return float(10.0 ** min(300.0 / params.latency_steepness, 300.0))  # m^k <= 1e300: f(m) <= 1e-300
+
+
+def _row(e: EngineView, params: PrismParams, fallback: float,
+         class_peaks: dict[str, float]) -> tuple[float, ...]:
+    """One engine's `_Table.COLUMNS`, by the module docstring (`class_peaks`: P_e by profile, a memo)."""
+    d = params.decode_work_tokens
+    lens = e.lens
+    if lens is not None:
+        peak = lens.peak_throughput_tokens_per_s
+        latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
+        work = lens.pending_work_tokens
+        free_blocks = lens.effective_free_kv_blocks
+    else:
+        if fallback > 0.0:
+            peak = fallback
+        else:
+            by_class = class_peaks.get(e.profile)
+            if by_class is None:
+                by_class = class_peaks[e.profile] = class_peak_tokens_per_s(e.profile, params)
+            peak = by_class
+        queued = e.num_running + e.num_waiting
+        latency_s = e.last_iteration_s if queued > 0 else 0.0
+        work = e.pending_prefill_tokens + d * queued
+        free_blocks = e.kv_blocks_free - e.kv_blocks_reserved
+    unreported_prompt = e.unreported_prompt_tokens
+    block_size = e.block_size if e.block_size > 0 else 16
+    free_after = free_blocks + e.unreported_tokens // -block_size  # KV left once the unreported land
+    has_kv = e.kv_blocks_total > 0
+    running = e.num_running
+    ahead = e.num_waiting + e.unreported_requests
+    active = running > 0 and latency_s > 0.0
+    if active:
+        drain_s = d * latency_s / running  # one running request finishes per drain_s
+        slots = e.max_num_seqs - running if e.max_num_seqs > 0 else ahead + 1
+        blocked = max(ahead + 1 - max(slots, 0), 0)
+        per_request = max((e.kv_blocks_total - e.kv_blocks_free) / running, 1.0)
+        rate = max(peak - running / latency_s, peak * MIN_PREFILL_SHARE)
+    else:
+        drain_s, blocked, per_request, rate = 0.0, 0, 1.0, peak
+    inv_peak_scaled = 1.0 / (peak * params.load_scale_s)
     return (
-        features.prompt_tokens,
-        features.prompt_tokens + features.max_tokens,
-        features.slo_ttft_s or params.ttft_slo_ms * 1e-3,
-        features.slo_tpot_s or params.tpot_slo_ms * 1e-3,
-        params.latency_steepness,
-        params.decode_work_tokens,
-        params.load_scale_s,
-        params.capacity_headroom,
-        math.log(params.slo_risk_penalty),
-        -math.log(params.affinity_bonus),
-        features.session_engine,
-        fallback_peak,
-        features.max_tokens,
+        latency_s,
+        latency_s + blocked * drain_s + (e.pending_prefill_tokens + unreported_prompt) / rate,
+        1.0 / rate,
+        (work + unreported_prompt + d * e.unreported_requests) * inv_peak_scaled,
+        inv_peak_scaled,
+        free_after if has_kv else _INF,
+        free_after if has_kv and active else _INF,
+        block_size,
+        drain_s,
+        ahead,
+        blocked,
+        per_request,
+        math.log(params.slo_risk_penalty) if lens is not None and lens.slo_risk else 0.0,
+        e.reported_at_s,
+        1.0 if e.stale else 0.0,
     )
 
 
-class _Evaluation(NamedTuple):
-    state: list[float]  # w_lat log S_latency + w_load log S_load + w_cap log S_capacity
-    affinity: list[float]  # w_aff log S_affinity
-    confidence: list[float]
-    all_fresh: bool
+class _Request(NamedTuple):
+    prompt: int  # p
+    demand_tokens: int  # p + o
+    output: int  # o
+    ttft_s: float
+    tpot_s: float
+    session: EngineId | None
 
 
-def _evaluate(
-    engines: tuple[EngineView, ...],
-    terms: _RequestTerms,
-    params: PrismParams,
-    collect: list[tuple[float, float, float, float]] | None = None,
-    timing: list[tuple[float, float, float]] | None = None,
-) -> _Evaluation:
-    """The weighted log factors and confidence of each engine, by the module docstring (the hot path: one
-    loop, everything shared hoisted out of it). `collect` receives the unweighted log factors, `timing` each
-    engine's (predicted first-token s, predicted finish s, margin: the larger of t_first / T_ttft and
-    L_e / T_tpot, feasible when <= 1)."""
-    p, demand_tokens, ttft_s, tpot_s, k, d, load_scale_s, kappa, log_risk, log_other, session, fallback, o = (
-        terms
-    )
+def _request(features: RequestFeatures, params: PrismParams) -> _Request:
+    return _Request(features.prompt_tokens, features.prompt_tokens + features.max_tokens, features.max_tokens,
+                    features.slo_ttft_s or params.ttft_slo_ms * 1e-3,
+                    features.slo_tpot_s or params.tpot_slo_ms * 1e-3, features.session_engine)
+
+
+class _Timing(NamedTuple):
+    first_s: np.ndarray  # predicted time to the first token
+    m_ttft: np.ndarray  # t_first / T_ttft
+    margin: np.ndarray  # max(m_ttft, L_e / T_tpot): feasible when <= 1
+
+
+# Vector reductions below go through argmin / argmax: on arrays of tens of engines they cost a fraction of
+# min() / max() / any().
+
+def _timing(table: _Table, r: _Request, params: PrismParams) -> _Timing:
+    """t_first and the margins of every row (module docstring)."""
+    first = table.first_base + r.prompt * table.inv_rate
+    if table.any_kv and r.demand_tokens > 0:
+        blocks = table.demand_blocks(r.demand_tokens)
+        waits = table.kv_wait_free < blocks
+        if waits[waits.argmax()]:  # completions until r's blocks are free, one running request's blocks each
+            short = blocks - table.kv_wait_free  # +inf rows do not wait
+            blocked_kv = table.ahead + np.ceil(short / table.per_request)
+            extra = np.maximum(blocked_kv - table.blocked_slots, 0.0) * table.drain
+            first = first + np.where(waits, extra, 0.0)
+    table.use_tpot(r.tpot_s, params)
+    m_ttft = first * (1.0 / r.ttft_s)
+    return _Timing(first, m_ttft, np.maximum(m_ttft, table.tpot_margin))
+
+
+def _log_latency(table: _Table, timing: _Timing, params: PrismParams) -> np.ndarray:
+    """log S_latency of every row (the TPOT term and slo_risk cached in the table)."""
+    m_ttft = timing.m_ttft
+    if m_ttft[m_ttft.argmax()] > _max_margin(params):  # absurd reports must not overflow m^k
+        m_ttft = np.minimum(m_ttft, _max_margin(params))
+    result: np.ndarray = table.tpot_latency - np.log1p(m_ttft**params.latency_steepness)
+    return result
+
+
+def _log_capacity(table: _Table, r: _Request, params: PrismParams) -> np.ndarray | None:
+    """log S_capacity of every row; None when it is 0 (rounded) everywhere."""
+    if not table.any_kv or r.demand_tokens <= 0:
+        return None
+    kappa = params.capacity_headroom
+    # (1 - x) / kappa with x = M_e / D_r (+inf rows: -inf)
+    exponent = (1.0 / kappa) - table.free_kv * (1.0 / (kappa * table.demand_blocks(r.demand_tokens)))
+    top = exponent.argmax()
+    if exponent[top] <= -CAPACITY_NEGLIGIBLE_EXPONENT:  # x >= 1 + 36 kappa everywhere
+        return None
+    fits = np.maximum(exponent, -_EXP_UNDERFLOW)  # past it exp(...) is exactly 0
+    if exponent[top] > 0.0:  # some row does not fit (x < 1): eps (1 + max(x, 0)) / 2 there
+        np.minimum(fits, 0.0, out=fits)
+        x = 1.0 - kappa * exponent
+        below = _LOG_EPS + np.log((1.0 + np.maximum(x, 0.0)) * 0.5)
+        fitting = np.log1p((CAPACITY_EPSILON - 1.0) * np.exp(fits))
+        result: np.ndarray = np.where(exponent > 0.0, below, fitting)
+        return result
+    np.log1p((CAPACITY_EPSILON - 1.0) * np.exp(fits, out=fits), out=fits)
+    return fits
+
+
+def _log_load(table: _Table, r: _Request) -> np.ndarray:
+    result: np.ndarray = -np.log1p(table.load_base + r.prompt * table.inv_peak_scaled)
+    return result
+
+
+def _confidence(table: _Table, now_s: float, params: PrismParams) -> np.ndarray | None:
+    """c_e of every row; None when every row is fresh (all 1)."""
+    fresh_after_s = now_s - params.fresh_age_s
+    reported_at = table.reported_at
+    if not table.any_stale and (len(reported_at) == 0 or reported_at[reported_at.argmin()] >= fresh_after_s):
+        return None
+    over = np.maximum(fresh_after_s - reported_at, 0.0)
+    result: np.ndarray = np.where(table.stale > 0.0, 0.0, 0.5 ** (over / params.stale_half_life_s))
+    return result
+
+
+def _totals(table: _Table, r: _Request, timing: _Timing, conf: np.ndarray | None,
+            params: PrismParams) -> np.ndarray:
+    """The log scores: the weighted state factors blended toward their mean by confidence, plus affinity."""
     weights = params.weights
-    w_lat, w_load, w_cap, w_aff = weights.latency, weights.load, weights.capacity, weights.affinity
-    fresh_age_s, half_life_s = params.fresh_age_s, params.stale_half_life_s
-    max_margin = 10.0 ** min(300.0 / k, 300.0)  # m^k <= 1e300: f(m) <= 1e-300, far past any real margin
-    roomy = 1.0 + CAPACITY_NEGLIGIBLE_EXPONENT * kappa  # beyond this headroom log S_capacity rounds to 0
-    log1p, log, exp = math.log1p, math.log, math.exp
-    class_peaks: dict[str, float] = {}  # P_e by profile, for this call only
-    state: list[float] = []
-    affinity: list[float] = []
-    confidence: list[float] = []
-    all_fresh = True
-    for e in engines:
-        lens = e.lens
-        if lens is not None:
-            peak = lens.peak_throughput_tokens_per_s
-            latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
-            work = lens.pending_work_tokens
-            free_blocks = lens.effective_free_kv_blocks
-        else:
-            if fallback > 0.0:
-                peak = fallback
-            else:
-                by_class = class_peaks.get(e.profile)
-                if by_class is None:
-                    by_class = class_peaks[e.profile] = class_peak_tokens_per_s(e.profile, params)
-                peak = by_class
-            queued = e.num_running + e.num_waiting
-            latency_s = e.last_iteration_s if queued > 0 else 0.0
-            work = e.pending_prefill_tokens + d * queued
-            free_blocks = e.kv_blocks_free - e.kv_blocks_reserved
-        unreported_prompt = e.unreported_prompt_tokens
-        block_size = e.block_size if e.block_size > 0 else 16
-        free_after = free_blocks + e.unreported_tokens // -block_size  # KV left once the unreported land
-        # Latency margin: the current batch, the wait for a slot (and KV) behind the requests ahead, then the
-        # prefill ahead and r's own at the rate decoding leaves over.
-        running = e.num_running
-        first_s = latency_s
-        if running > 0 and latency_s > 0.0:
-            drain_s = d * latency_s / running  # one running request finishes per drain_s
-            ahead = e.num_waiting + e.unreported_requests
-            slots = e.max_num_seqs - running if e.max_num_seqs > 0 else ahead + 1
-            blocked = ahead + 1 - max(slots, 0)
-            if e.kv_blocks_total > 0 and demand_tokens > 0:
-                short = -(demand_tokens // -block_size) - free_after
-                if short > 0:  # completions until r's blocks are free, one running request's blocks each
-                    per_request = max((e.kv_blocks_total - e.kv_blocks_free) / running, 1.0)
-                    blocked = max(blocked, ahead + math.ceil(short / per_request))
-            if blocked > 0:
-                first_s += blocked * drain_s
-            rate = max(peak - running / latency_s, peak * MIN_PREFILL_SHARE)
-        else:
-            rate = peak
-        first_s += (e.pending_prefill_tokens + unreported_prompt + p) / rate
-        m_ttft, m_tpot = first_s / ttft_s, latency_s / tpot_s
-        if m_ttft > max_margin or m_tpot > max_margin:  # absurd reports must not overflow m^k
-            m_ttft, m_tpot = min(m_ttft, max_margin), min(m_tpot, max_margin)
-        log_latency = -log1p(m_ttft**k) - log1p(m_tpot**k)
-        if lens is not None and lens.slo_risk:
-            log_latency += log_risk
-        # Relative load.
-        work += unreported_prompt + d * e.unreported_requests + p
-        log_load = -log1p(work / peak / load_scale_s)
-        # Capacity admission.
-        log_capacity = 0.0
-        if e.kv_blocks_total > 0 and demand_tokens > 0:
-            x = free_after / -(demand_tokens // -block_size)
-            if x < 1.0:
-                log_capacity = _LOG_EPS + log((1.0 + max(x, 0.0)) * 0.5)
-            elif x < roomy:
-                log_capacity = log1p((CAPACITY_EPSILON - 1.0) * exp((1.0 - x) / kappa))
-        # Session affinity.
-        log_affinity = 0.0 if session is None or session == e.engine_id else log_other
-        if collect is not None:
-            collect.append((log_latency, log_load, log_capacity, log_affinity))
-        if timing is not None:
-            timing.append((first_s, first_s + o * latency_s, max(m_ttft, m_tpot)))
-        state.append(w_lat * log_latency + w_load * log_load + w_cap * log_capacity)
-        affinity.append(w_aff * log_affinity)
-        # Confidence in the state.
-        if e.stale:
-            confidence.append(0.0)
-            all_fresh = False
-        elif e.state_age_s > fresh_age_s:
-            confidence.append(0.5 ** ((e.state_age_s - fresh_age_s) / half_life_s))
-            all_fresh = False
-        else:
-            confidence.append(1.0)
-    return _Evaluation(state, affinity, confidence, all_fresh)
+    latency = _log_latency(table, timing, params)
+    state = latency if weights.latency == 1.0 else weights.latency * latency
+    if weights.load != 0.0:
+        load = _log_load(table, r)
+        state = state + (load if weights.load == 1.0 else weights.load * load)
+    if weights.capacity != 0.0:
+        capacity = _log_capacity(table, r, params)
+        if capacity is not None:
+            state = state + (capacity if weights.capacity == 1.0 else weights.capacity * capacity)
+    if conf is not None:
+        state = conf * state + (1.0 - conf) * (math.fsum(state.tolist()) / len(state))
+    if r.session is not None and weights.affinity != 0.0:
+        other = -weights.affinity * math.log(params.affinity_bonus)
+        state = state + other
+        index = table.index_of(r.session)
+        if index >= 0:
+            state[index] -= other
+    return state
+
+
+def _pick_tied(values: np.ndarray, best_index: int, above: bool, rand: float,
+               conf: np.ndarray | None = None) -> int:
+    """The row among those within TIE_TOLERANCE of values[best_index] (>= when `above`, else <=), the most
+    confident of them when `conf` is given, then the one at floor(rand * n)."""
+    best = float(values[best_index])
+    slack = TIE_TOLERANCE * max(1.0, abs(best))
+    tied = np.flatnonzero(values >= best - slack) if above else np.flatnonzero(values <= best + slack)
+    if len(tied) > 1 and conf is not None:
+        tied_conf = conf[tied]
+        tied = tied[tied_conf == tied_conf[tied_conf.argmax()]]
+    return int(tied[min(int(rand * len(tied)), len(tied) - 1)])
 
 
 def factors(
@@ -314,20 +490,23 @@ def factors(
     """The four scores of `engine` for the request (fallback P_max taken over the snapshot's engines)."""
     params = params if params is not None else PrismParams()
     fallback = fallback_peak_tokens_per_s(snapshot.serving(features.model) or (engine,))
-    collected: list[tuple[float, float, float, float]] = []
-    _evaluate((engine,), _request_terms(features, params, fallback), params, collected)
-    return Factors(*(math.exp(v) for v in collected[0]))
+    table = _Table((engine,), params, fallback)
+    r = _request(features, params)
+    latency = _log_latency(table, _timing(table, r, params), params)
+    capacity = _log_capacity(table, r, params)
+    affinity = 0.0
+    if r.session is not None and r.session != engine.engine_id:
+        affinity = -math.log(params.affinity_bonus)
+    logs = (float(latency[0]), float(_log_load(table, r)[0]),
+            0.0 if capacity is None else float(capacity[0]), affinity)
+    return Factors(*(math.exp(v) for v in logs))
 
 
-def confidence(engine: EngineView, params: PrismParams | None = None) -> float:
-    """c_e of the module docstring (0 for an engine flagged stale)."""
+def confidence(engine: EngineView, now_s: float, params: PrismParams | None = None) -> float:
+    """c_e of the module docstring at snapshot time `now_s` (0 for an engine flagged stale)."""
     params = params if params is not None else PrismParams()
-    return _evaluate((engine,), _request_terms(_NO_REQUEST, params, 1.0), params).confidence[0]
-
-
-_NO_REQUEST = RequestFeatures(
-    request_id="", model="", prompt_tokens=0, max_tokens=0, now_s=0.0, dispatch_seq=0
-)
+    conf = _confidence(_Table((engine,), params, 1.0), now_s, params)
+    return 1.0 if conf is None else float(conf[0])
 
 
 class PrismPolicy:
@@ -335,6 +514,9 @@ class PrismPolicy:
 
     def __init__(self, params: PrismParams | None = None) -> None:
         self._params = params if params is not None else PrismParams()
+        # model -> the last candidates' table: request-independent terms, patched where views changed. A memo
+        # only (it never changes a decision: the rows are a function of the views).
+        self._tables: dict[str, _Table] = {}
 
     @property
     def params(self) -> PrismParams:
@@ -344,38 +526,59 @@ class PrismPolicy:
         """The eligible engines, stale ones included (their confidence is 0: they score the mean)."""
         return eligible(features, snapshot)
 
-    def _totals(
-        self, features: RequestFeatures, snapshot: ClusterSnapshot,
-        timing: list[tuple[float, float, float]] | None = None,
-    ) -> tuple[tuple[EngineView, ...], list[float], list[float]]:
-        """(candidates, their log scores, their confidences), in engine-id order; `timing`: `_evaluate`'s."""
+    def _table(self, features: RequestFeatures, engines: tuple[EngineView, ...]) -> _Table:
+        """The candidates' table: the memo when it holds the same engines, patched where views changed."""
         params = self._params
-        engines = self.candidates(features, snapshot)
-        if not engines:
-            return engines, [], []
-        terms = _request_terms(features, params, fallback_peak_tokens_per_s(engines))
-        state, affinity, conf, all_fresh = _evaluate(engines, terms, params, timing=timing)
-        if all_fresh:
-            return engines, [s + a for s, a in zip(state, affinity, strict=True)], conf
-        mean = math.fsum(state) / len(state)
-        totals = [c * s + (1.0 - c) * mean + a for s, a, c in zip(state, affinity, conf, strict=True)]
-        return engines, totals, conf
+        if features.exclude:  # a retry's candidates: rare, not worth a memo slot
+            return _Table(engines, params, fallback_peak_tokens_per_s(engines))
+        table = self._tables.get(features.model)
+        if table is not None and len(table.views) == len(engines):
+            old = table.views
+            if engines is old:
+                return table
+            changed = list(compress(count(), map(is_not, engines, old)))
+            if not changed:
+                table.views = engines
+                return table
+            if len(changed) * 4 <= len(engines) and all(
+                    engines[i].engine_id == old[i].engine_id for i in changed):
+                if (table.all_lens and all(engines[i].lens is not None for i in changed)) or (
+                        fallback_peak_tokens_per_s(engines) == table.fallback):
+                    table.patch(changed, engines, params)
+                    return table
+        table = _Table(engines, params, fallback_peak_tokens_per_s(engines))
+        if len(self._tables) >= 64 and features.model not in self._tables:
+            self._tables.clear()
+        self._tables[features.model] = table
+        return table
+
+    def _evaluate(self, features: RequestFeatures, snapshot: ClusterSnapshot
+                  ) -> tuple[_Table, _Request, _Timing, np.ndarray | None]:
+        params = self._params
+        table = self._table(features, self.candidates(features, snapshot))
+        r = _request(features, params)
+        return table, r, _timing(table, r, params), _confidence(table, snapshot.taken_at_s, params)
 
     def scores(
         self, features: RequestFeatures, snapshot: ClusterSnapshot
     ) -> list[tuple[EngineId, float, float]]:
         """(engine, log score, confidence) per candidate, in engine-id order (for tests and diagnostics)."""
-        engines, totals, conf = self._totals(features, snapshot)
-        return [(e.engine_id, t, c) for e, t, c in zip(engines, totals, conf, strict=True)]
+        table, r, timing, conf = self._evaluate(features, snapshot)
+        if not table.views:
+            return []
+        totals = _totals(table, r, timing, conf, self._params).tolist()
+        confs = [1.0] * len(totals) if conf is None else conf.tolist()
+        return [(e.engine_id, t, c) for e, t, c in zip(table.views, totals, confs, strict=True)]
 
     def timings(
         self, features: RequestFeatures, snapshot: ClusterSnapshot
     ) -> list[tuple[EngineId, float, float, float]]:
         """(engine, predicted first-token s, predicted finish s, margin) per candidate, in engine-id order
         (for tests and diagnostics: what `decide` prices; the engine is feasible when the margin is <= 1)."""
-        timing: list[tuple[float, float, float]] = []
-        engines, _, _ = self._totals(features, snapshot, timing)
-        return [(e.engine_id, *t) for e, t in zip(engines, timing, strict=True)]
+        table, r, timing, _ = self._evaluate(features, snapshot)
+        finish = timing.first_s + r.output * table.latency
+        return [(e.engine_id, f, t, m) for e, f, t, m in zip(
+            table.views, timing.first_s.tolist(), finish.tolist(), timing.margin.tolist(), strict=True)]
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         return self._decide(features, snapshot, shed=False)[0]
@@ -389,27 +592,17 @@ class PrismPolicy:
 
     def _decide(self, features: RequestFeatures, snapshot: ClusterSnapshot,
                 *, shed: bool) -> tuple[EngineId | None, str]:
-        timing: list[tuple[float, float, float]] = []
-        engines, totals, conf = self._totals(features, snapshot, timing)
-        if not engines:
+        table, r, timing, conf = self._evaluate(features, snapshot)
+        if not table.views:
             return None, NO_CANDIDATE
-        best_margin = min(margin for _, _, margin in timing)
+        margin = timing.margin
+        best_margin = float(margin[margin.argmin()])
         if best_margin <= 1.0:
-            return self._best(engines, totals, conf, features), SCORED
+            totals = _totals(table, r, timing, conf, self._params)
+            best = _pick_tied(totals, int(totals.argmax()), True, features.rand, conf)
+            return table.views[best].engine_id, SCORED
         if shed and best_margin > self._params.shed_margin and features.resumed_tokens == 0:
             return None, SHED
-        soonest = min(finish for _, finish, _ in timing)
-        floor = soonest + TIE_TOLERANCE * max(1.0, abs(soonest))
-        tied = [i for i, (_, finish, _) in enumerate(timing) if finish <= floor]
-        return engines[tied[min(int(features.rand * len(tied)), len(tied) - 1)]].engine_id, NO_FEASIBLE
-
-    @staticmethod
-    def _best(engines: tuple[EngineView, ...], totals: list[float], conf: list[float],
-              features: RequestFeatures) -> EngineId:
-        best = max(totals)
-        floor = best - TIE_TOLERANCE * max(1.0, abs(best))
-        tied = [i for i, t in enumerate(totals) if t >= floor]
-        if len(tied) > 1:
-            top = max(conf[i] for i in tied)
-            tied = [i for i in tied if conf[i] == top]
-        return engines[tied[min(int(features.rand * len(tied)), len(tied) - 1)]].engine_id
+        finish = timing.first_s + r.output * table.latency
+        soonest = _pick_tied(finish, int(finish.argmin()), False, features.rand)
+        return table.views[soonest].engine_id, NO_FEASIBLE

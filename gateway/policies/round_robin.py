@@ -32,7 +32,7 @@ class RoundRobinPolicy:
         return self._params
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
-        engines = sorted(eligible(features, snapshot), key=lambda e: e.engine_id)
+        engines = eligible(features, snapshot)  # in engine-id order, as every snapshot lists its engines
         if not engines:
             return None
         return engines[features.dispatch_seq % len(engines)].engine_id

@@ -8,6 +8,7 @@ from typing import Any
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, LensState, RequestFeatures
 
 MODEL = "m"
+NOW_S = 100.0  # when `snapshot` takes its snapshots unless told otherwise
 
 
 LENS_FIELDS = frozenset(f.name for f in fields(LensState))
@@ -22,8 +23,10 @@ def lens_state(**values: Any) -> LensState:
 
 
 def engine(engine_id: str, model: str = MODEL, **values: Any) -> EngineView:
-    """A ready, fresh engine of `model`; any `EngineView` field can be overridden, and LENS's fields
-    (`peak_throughput_tokens_per_s=...`) given flat build its `lens` state."""
+    """A ready, fresh engine of `model`; any `EngineView` field can be overridden, LENS's fields
+    (`peak_throughput_tokens_per_s=...`) given flat build its `lens` state, and `state_age_s=a` sets the
+    report's arrival a seconds before NOW_S (the default snapshot time; default 0)."""
+    values.setdefault("reported_at_s", NOW_S - values.pop("state_age_s", 0.0))
     lens = {k: values.pop(k) for k in list(values) if k in LENS_FIELDS}
     if lens:
         values["lens"] = lens_state(**lens)
@@ -31,7 +34,7 @@ def engine(engine_id: str, model: str = MODEL, **values: Any) -> EngineView:
     return replace(base, **values)
 
 
-def snapshot(*engines: EngineView, taken_at_s: float = 100.0) -> ClusterSnapshot:
+def snapshot(*engines: EngineView, taken_at_s: float = NOW_S) -> ClusterSnapshot:
     """A snapshot in the stable order the store produces (by engine id)."""
     return ClusterSnapshot(taken_at_s=taken_at_s, engines=tuple(sorted(engines, key=lambda e: e.engine_id)))
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import random
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gateway.cluster.health import OutlierParams
 from gateway.cluster.state import ClusterState
 from gateway.domain import (
     EngineDescription,
@@ -64,16 +66,18 @@ def connected(*engine_ids: EngineId, now_s: float = 10.0, **kwargs: Any) -> Clus
 def test_lifecycle_from_added_to_ready_to_disconnected() -> None:
     state = ClusterState(stale_after_s=1.0)
     state.add_engine(A, 5.0)
-    view = state.snapshot(5.5).engines[0]
-    assert (view.model, view.ready, view.stale, view.state_age_s) == ("", False, True, 0.5)
+    snap = state.snapshot(5.5)
+    view = snap.engines[0]
+    assert (view.model, view.ready, view.stale, snap.state_age_s(view)) == ("", False, True, 0.5)
     assert view.block_size == 16
     state.on_describe(A, describe())
     view = state.snapshot(6.0).engines[0]
     assert (view.model, view.ready, view.block_size, view.max_num_seqs) == ("m", False, 32, 8)
     state.on_connect(A)
     state.on_report(A, report(1, 100.0, num_running=3, kv_blocks_free=40), 6.0)
-    view = state.snapshot(6.25).engines[0]
-    assert (view.ready, view.stale, view.state_age_s, view.num_running, view.kv_free_ratio) == (
+    snap = state.snapshot(6.25)
+    view = snap.engines[0]
+    assert (view.ready, view.stale, snap.state_age_s(view), view.num_running, view.kv_free_ratio) == (
         True,
         False,
         0.25,
@@ -126,8 +130,9 @@ def test_views_carry_the_qoe_fit_and_pull_throughput_stale_or_not() -> None:
 def test_staleness_follows_the_time_argument() -> None:
     state = connected(A, now_s=10.0)
     assert state.snapshot(11.0).engines[0].stale is False
-    view = state.snapshot(11.5).engines[0]
-    assert (view.stale, view.state_age_s, view.ready) == (True, 1.5, True)
+    snap = state.snapshot(11.5)
+    view = snap.engines[0]
+    assert (view.stale, snap.state_age_s(view), view.ready) == (True, 1.5, True)
     state.on_report(A, report(2, 11.5), 11.5)
     assert state.snapshot(11.5).engines[0].stale is False
 
@@ -194,8 +199,9 @@ def test_duplicates_ignored_and_reconnect_restarts_the_sequence() -> None:
     state.on_report(A, report(5, 5.0, num_running=5), 0.1)
     state.on_report(A, report(4, 4.0, num_running=4), 0.2)
     state.on_report(A, report(5, 5.0, num_running=9), 0.3)
-    view = state.snapshot(0.3).engines[0]
-    assert (view.seq, view.num_running, view.state_age_s) == (5, 5, pytest.approx(0.2))
+    snap = state.snapshot(0.3)
+    view = snap.engines[0]
+    assert (view.seq, view.num_running, snap.state_age_s(view)) == (5, 5, pytest.approx(0.2))
     state.on_disconnect(A)
     state.on_connect(A)
     state.on_report(A, report(1, 0.5, num_running=1), 0.4)  # a restarted agent
@@ -320,3 +326,87 @@ def test_star_predictions_are_kept_per_round_and_dropped_when_stale_or_disconnec
     state.on_connect(A)
     state.on_report(A, report(1, 6.0), 6.0)
     assert state.snapshot(6.0).engines[0].future_load is None
+
+
+def test_a_snapshot_reuses_the_views_of_engines_nothing_happened_to() -> None:
+    state = connected(A, B, now_s=10.0)
+    first = state.snapshot(10.0)
+    state.note_dispatch(A, "r1", 100, 10, "", 10.1)
+    second = state.snapshot(10.1)
+    assert second.engines[1] is first.engines[1]  # b: untouched
+    assert second.engines[0] is not first.engines[0] and second.engines[0].inflight_requests == 1
+    assert second.state_age_s(second.engines[1]) == pytest.approx(0.1)  # age from the snapshot, not the view
+    state.on_report(B, report(2, 10.2, B), 10.2)
+    third = state.snapshot(10.2)
+    assert third.engines[0] is second.engines[0] and third.engines[1].seq == 2
+
+
+def test_a_view_is_rebuilt_when_time_alone_changes_it() -> None:
+    state = connected(A, B, now_s=10.0, latency_window_s=0.5)
+    state.note_latency(A, 0.1, 0.2, 10.0)
+    before = state.snapshot(10.0)
+    assert before.engines[0].recent_latency_samples == 1
+    state.on_report(B, report(2, 10.4, B), 10.4)
+    mid = state.snapshot(10.4)
+    assert mid.engines[0] is before.engines[0]
+    after = state.snapshot(10.5)  # a's sample left the window
+    assert after.engines[0].recent_latency_samples == 0 and after.engines[1] is mid.engines[1]
+    stale = state.snapshot(11.01)  # a's report (10.0) is older than 1 s, b's (10.4) is not
+    assert (stale.engines[0].stale, stale.engines[1].stale) == (True, False)
+    assert stale.engines[1] is mid.engines[1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reused_views_equal_views_built_afresh(seed: int) -> None:
+    """Random events on a small fleet; after each snapshot, a state that replays the same events and takes
+    its first snapshot then (so builds every view) sees the same views."""
+    rng = random.Random(seed)
+    engines = [EngineId(e) for e in "abcd"]
+    kwargs: dict[str, Any] = {"stale_after_s": 0.3, "latency_window_s": 0.4, "snapshot_resolution_s": 0.0,
+                              "outlier": OutlierParams(consecutive_failures=2, base_ejection_s=0.2)}
+    events: list[tuple[str, tuple[Any, ...]]] = []
+
+    def apply(target: ClusterState, name: str, args: tuple[Any, ...]) -> None:
+        getattr(target, name)(*args)
+
+    state = ClusterState(**kwargs)
+    now_s, seqs, inflight = 0.0, dict.fromkeys(engines, 0), []
+    for engine_id in engines:
+        for name, args in (("add_engine", (engine_id, now_s)),
+                           ("on_describe", (engine_id, describe(engine_id))), ("on_connect", (engine_id,))):
+            events.append((name, args))
+            apply(state, name, args)
+    for step in range(160):
+        now_s += rng.choice((0.0, 0.01, 0.05, 0.2))
+        engine_id = rng.choice(engines)
+        kind = rng.random()
+        if kind < 0.3:
+            seqs[engine_id] += 1
+            reported = report(seqs[engine_id], now_s, engine_id, num_running=rng.randrange(5),
+                              kv_blocks_free=rng.randrange(100))
+            event: tuple[str, tuple[Any, ...]] = ("on_report", (engine_id, reported, now_s))
+        elif kind < 0.55:
+            request_id = f"r{step}"
+            inflight.append((engine_id, request_id))
+            event = ("note_dispatch", (engine_id, request_id, rng.randrange(1, 500), 20, "", now_s))
+        elif kind < 0.7 and inflight:
+            event = ("note_finish", inflight.pop(rng.randrange(len(inflight))))
+        elif kind < 0.8:
+            event = ("note_latency", (engine_id, rng.random(), rng.random(), now_s))
+        elif kind < 0.88:
+            event = ("note_failure", (engine_id, "server_errors", now_s))
+        elif kind < 0.92:
+            event = ("note_success", (engine_id,))
+        elif kind < 0.96:
+            event = ("on_disconnect", (engine_id,))
+        else:
+            event = ("on_connect", (engine_id,))
+        events.append(event)
+        apply(state, *event)
+        if step % 3:
+            continue
+        snapshot = state.snapshot(now_s)
+        fresh = ClusterState(**kwargs)
+        for name, args in events:
+            apply(fresh, name, args)
+        assert snapshot.engines == fresh.snapshot(now_s).engines, f"step {step}"

@@ -156,11 +156,13 @@ async def test_staleness_marking_from_the_clock(clock: ManualClock) -> None:
         fake.feed.put_nowait(report(1, 50.0))
         await settle()
         clock.advance(1.0)
-        view = store.snapshot().engines[0]
-        assert (view.stale, view.state_age_s) == (False, 1.0)
+        snap = store.snapshot()
+        view = snap.engines[0]
+        assert (view.stale, snap.state_age_s(view)) == (False, 1.0)
         clock.advance(0.5)
-        view = store.snapshot().engines[0]
-        assert (view.stale, view.state_age_s, view.ready) == (True, 1.5, True)
+        snap = store.snapshot()
+        view = snap.engines[0]
+        assert (view.stale, snap.state_age_s(view), view.ready) == (True, 1.5, True)
         assert store.ready_count() == 1  # stale: routed on local accounting, still in the pool
         fake.feed.put_nowait(report(2, 51.5))
         await settle()

@@ -4,13 +4,15 @@ feed it. Table-driven over hand-made snapshots with exact expectations."""
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
-from builders import engine, features, snapshot
+from builders import MODEL, NOW_S, engine, features, lens_state, snapshot
 from fake_engines import FakeEngine, ok_script, serving
 
-from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.cluster.state import ClusterState
+from gateway.domain import ClusterSnapshot, EngineId, EngineReport, EngineView, RequestFeatures
 from gateway.policies.prism import (
     CAPACITY_EPSILON,
     PrismParams,
@@ -455,8 +457,8 @@ def test_ties_spread_evenly_over_the_tied_engines() -> None:
     [(0.0, 1.0), (0.25, 1.0), (1.25, 0.5), (2.25, 0.25)],
 )
 def test_confidence_halves_per_half_life_after_the_fresh_age(age_s: float, expected: float) -> None:
-    assert confidence(engine("a", state_age_s=age_s)) == pytest.approx(expected)
-    assert confidence(engine("a", state_age_s=age_s, stale=True)) == 0.0
+    assert confidence(engine("a", state_age_s=age_s), NOW_S) == pytest.approx(expected)
+    assert confidence(engine("a", state_age_s=age_s, stale=True), NOW_S) == 0.0
 
 
 def test_an_old_report_is_blended_toward_the_fleet_mean() -> None:
@@ -652,3 +654,47 @@ async def test_a_shed_request_is_a_503_fleet_saturated_with_retry_after() -> Non
     assert 'switchyard_policy_picks_total{policy="prism",why="no_feasible_shed"} 1.0' in exposition
     assert 'switchyard_routing_decisions_total{policy="prism",reason="shed"} 1.0' in exposition
     assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize(("seed", "lens_share"), [(0, 1.0), (1, 1.0), (2, 0.5), (3, 0.0)])
+def test_the_memoised_table_decides_as_a_table_built_afresh(seed: int, lens_share: float) -> None:
+    """A long-lived policy patches its table where the cluster state's views changed; a new policy per
+    decision builds every row. Random reports and dispatches (engines with and without LENS, KV short and
+    not, some stale) must give both the same decisions and scores."""
+    rng = random.Random(seed)
+    state = ClusterState(stale_after_s=0.5, snapshot_resolution_s=0.0)
+    ids = [EngineId(f"e{i}") for i in range(12)]
+    for eid in ids:
+        state.add_engine(eid, 0.0)
+        state.on_connect(eid)
+    params = PrismParams(overload="shed", shed_margin=1.5)
+    kept = PrismPolicy(params)
+    now_s, seqs = 0.0, dict.fromkeys(ids, 0)
+    for step in range(300):
+        now_s += rng.choice((0.001, 0.01, 0.1))
+        for eid in ids if step == 0 else rng.sample(ids, rng.randrange(3)):
+            seqs[eid] += 1
+            running = rng.randrange(0, 40)
+            lens = lens_state(predicted_batch_latency_s=0.01 + 0.001 * running,
+                              pending_work_tokens=float(rng.randrange(20_000)),
+                              effective_free_kv_blocks=rng.randrange(-50, 400),
+                              peak_throughput_tokens_per_s=rng.uniform(5e3, 2e4),
+                              slo_risk=rng.random() < 0.1) if rng.random() < lens_share else None
+            state.on_report(eid, EngineReport(
+                engine_id=eid, model=MODEL, profile="h100-llama3-8b", backend="sim", role="", seq=seqs[eid],
+                engine_timestamp_s=now_s, ready=True, draining=False, num_running=running,
+                num_waiting=rng.randrange(5), kv_blocks_total=500, kv_blocks_free=rng.randrange(500),
+                kv_blocks_reserved=0, pending_prefill_tokens=rng.randrange(3000), running_batch_tokens=0,
+                last_iteration_s=0.02, lens=lens), now_s)
+        feats = features(f"r{step}", prompt_tokens=rng.choice((10, 500, 3000)),
+                         max_tokens=rng.choice((16, 400)), now_s=now_s,
+                         session_engine=rng.choice((None, "e3")), rand=rng.random())
+        snap = state.snapshot(now_s)
+        fresh = PrismPolicy(params)
+        assert kept.decide(feats, snap) == fresh.decide(feats, snap), f"step {step}"
+        kept_scores, fresh_scores = kept.scores(feats, snap), fresh.scores(feats, snap)
+        assert [(e, c) for e, _, c in kept_scores] == [(e, c) for e, _, c in fresh_scores]
+        assert [s for _, s, _ in kept_scores] == pytest.approx([s for _, s, _ in fresh_scores], rel=1e-12)
+        engine, _ = kept.decide(feats, snap)
+        if engine is not None:
+            state.note_dispatch(engine, feats.request_id, feats.prompt_tokens, feats.max_tokens, "", now_s)
