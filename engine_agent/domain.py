@@ -189,6 +189,7 @@ class LensFigures:
     peak_throughput_tokens_per_s: float = 0.0
     prediction_error_ratio: float = 0.0
     slo_risk: bool = False
+    prefill_tokens_per_s: float = 0.0  # what LENS's plans leave a new request's prefill; 0 = not planning
 
 
 @dataclass(frozen=True, slots=True)

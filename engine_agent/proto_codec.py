@@ -186,6 +186,7 @@ def engine_state(
             effective_free_kv_blocks=lens.effective_free_kv_blocks,
             peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
             prediction_error_ratio=lens.prediction_error_ratio,
+            prefill_tokens_per_s=lens.prefill_tokens_per_s,
             slo_risk=lens.slo_risk,
         ),
         transfer_bytes_per_s=stats.transfer_bytes_per_s,

@@ -29,6 +29,8 @@ class LensState:
     peak_throughput_tokens_per_s: float  # P_max (> 0)
     prediction_error_ratio: float  # recent |predicted - observed| / observed iteration time
     slo_risk: bool  # the engine's feasible latency interval is empty (it cannot meet its SLOs)
+    # The prefill tokens per second LENS's plans leave a request arriving now (0: LENS does not plan).
+    prefill_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

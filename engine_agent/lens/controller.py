@@ -27,7 +27,15 @@ Choices:
   prefilling request, L-bar / 2 per decoding request (on average half way through its output). M_free: free KV
   blocks minus ceil((uncomputed tokens + L-bar) / block_size) per waiting request, floored at 0. P_max: the
   model's peak throughput (tokens/s). Until the model is ready, L-hat and P_max are reported as 0 (unknown);
-  W, M_free, the a-priori error ratio and the SLO risk are always filled.
+  W, M_free, the a-priori error ratio and the SLO risk are always filled. Prefill rate (while LENS plans, else
+  0): measured, the prefill tokens computed per second over the last `prefill_window` planned iterations that
+  began with prefill pending (waiting requests or a chunked prefill), once there are `prefill_min_samples` of
+  them; before that, the plan for the queue with one more request waiting (a prompt of M_max tokens), its
+  prefill tokens (the budget less one token per decoding sequence, at least 1) over its predicted latency.
+  Under a TTFT-bound target the plans can leave prefill a small fraction of P_max, down to nothing while a
+  decode-only batch already comes within eps of the target (issue 17: an H100 planned to 8 ms iterations
+  prefilled at a median 125 tokens/s with requests waiting, against a P_max of 42,000), so a router pricing
+  TTFT needs the measured figure.
 - `enabled` = False (ablation: static budget) turns planning off only; the model keeps learning and the state
   vector keeps being computed.
 """
@@ -35,6 +43,7 @@ Choices:
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -76,6 +85,8 @@ class LensConfig:
     search_iters: int = 16
     eps_ratio: float = 0.05
     plan_max_error_ratio: float = 0.25
+    prefill_window: int = 64  # planned iterations with prefill pending behind the measured prefill rate
+    prefill_min_samples: int = 8
     model: LatencyModelConfig = field(default_factory=LatencyModelConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
 
@@ -93,6 +104,11 @@ class LensController:
         self._last_fit_s = -math.inf
         self._in_flight = False
         self._last_plan: BatchPlan | None = None
+        self._pending_prefill = False  # the last plan's queue had prefill pending
+        # (prefill tokens, seconds) of recent planned iterations that began with prefill pending, and sums
+        self._prefill_samples: deque[tuple[int, float]] = deque()
+        self._prefill_tokens = 0
+        self._prefill_s = 0.0
 
     @property
     def config(self) -> LensConfig:
@@ -130,6 +146,16 @@ class LensController:
         if batch_size <= 0 or tokens <= 0 or record.duration_s <= 0.0:
             return
         self._model.observe(batch_size, tokens, record.duration_s, now_s)
+        if self._pending_prefill and self._last_plan is not None:
+            samples = self._prefill_samples
+            samples.append((record.num_prefill_tokens, record.duration_s))
+            self._prefill_tokens += record.num_prefill_tokens
+            self._prefill_s += record.duration_s
+            if len(samples) > self._config.prefill_window:
+                old_tokens, old_s = samples.popleft()
+                self._prefill_tokens -= old_tokens
+                self._prefill_s -= old_s
+        self._pending_prefill = False
         self._since_fit += 1
         if self._last_fit_s == -math.inf:
             self._last_fit_s = now_s  # the refit interval runs from the first observation
@@ -191,7 +217,27 @@ class LensController:
         plan = plan_batch(view, self._limits, self._model.params, decision.target_latency_s,
                           search_iters=cfg.search_iters, eps_ratio=cfg.eps_ratio)
         self._last_plan = plan
+        self._pending_prefill = view.waiting_tokens.shape[0] > 0 or bool((view.running_tokens > 1).any())
         return plan
+
+    @property
+    def measured_prefill_rate(self) -> float | None:
+        """Prefill tokens per second over the recent planned iterations that began with prefill pending
+        (None: fewer than `prefill_min_samples`)."""
+        if len(self._prefill_samples) < self._config.prefill_min_samples or self._prefill_s <= 0.0:
+            return None
+        return self._prefill_tokens / self._prefill_s
+
+    def _prefill_rate(self, view: QueueView, decoding: int) -> float:
+        """Prefill tokens per second of the plan for `view` with one more request waiting (docstring)."""
+        limits, cfg = self._limits, self._config
+        probe = QueueView(view.running_tokens, np.append(view.waiting_tokens, limits.max_batched_tokens),
+                          view.free_kv_blocks, view.slo_ttft_s, view.slo_tpot_s)
+        plan = plan_batch(probe, limits, self._model.params, self.decide_target(probe).target_latency_s,
+                          search_iters=cfg.search_iters, eps_ratio=cfg.eps_ratio)
+        if plan is None or plan.predicted_latency_s <= 0.0:
+            return 0.0
+        return max(plan.token_budget - decoding, 1) / plan.predicted_latency_s
 
     def state_vector(self, view: QueueView, now_s: float) -> LensFigures:
         """Eq. 8 plus the model's recent error and the SLO risk (see the module docstring)."""
@@ -209,7 +255,7 @@ class LensController:
         bs = limits.block_size
         reserved = int(np.sum(np.ceil((wait + l_bar) / bs))) if n_wait else 0
         free = max(view.free_kv_blocks - reserved, 0)
-        latency_s = peak = 0.0
+        latency_s = peak = rate = 0.0
         if self._model.ready:
             peak = self._model.peak_throughput
             plan = None
@@ -217,6 +263,8 @@ class LensController:
                 cfg = self._config
                 plan = plan_batch(view, limits, self._model.params, decision.target_latency_s,
                                   search_iters=cfg.search_iters, eps_ratio=cfg.eps_ratio)
+                measured = self.measured_prefill_rate
+                rate = measured if measured is not None else self._prefill_rate(view, decoding)
             if plan is not None:
                 latency_s = plan.predicted_latency_s
             else:
@@ -229,4 +277,5 @@ class LensController:
             peak_throughput_tokens_per_s=peak,
             prediction_error_ratio=self._model.recent_error_ratio,
             slo_risk=decision.slo_risk,
+            prefill_tokens_per_s=rate,
         )

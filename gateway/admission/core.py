@@ -26,7 +26,8 @@ The model (one per served model):
   waits are exchangeable with the next one, a fraction `slo_quantile` of admitted requests wait no longer
   than predicted, whatever the burst pattern, with no constant fitted to a trace. Engine TTFT = the engine's
   recent mean TTFT as the gateway observed it (a measurement of the engine now), else, with LENS, its batch
-  latency + queued prefill (pending + dispatched-unreported + this prompt) / P_max, else unknown (0). A
+  latency + queued prefill (pending + dispatched-unreported + this prompt) / the prefill rate its LENS plans
+  grant (`LensState.prefill_tokens_per_s`) or, when LENS does not plan, P_max; else unknown (0). A
   nominal-peak estimate by GPU class was tried and dropped: on sim agents it predicted > 1.5 s where 4 ms was
   measured and shed 68 % of an under-loaded run (benchmarks/overload.py).
 - Shedding, answered at once, only while the slots are full (a request that would go through at once is
@@ -112,7 +113,7 @@ def predicted_engine_ttft_s(e: EngineView, prompt_tokens: int) -> float | None:
         return None
     latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
     queued = e.pending_prefill_tokens + e.unreported_prompt_tokens + max(0, prompt_tokens)
-    return latency_s + queued / lens.peak_throughput_tokens_per_s
+    return latency_s + queued / (lens.prefill_tokens_per_s or lens.peak_throughput_tokens_per_s)
 
 
 def fleet_slots(snapshot: ClusterSnapshot, model: str, params: AdmissionParams) -> int:

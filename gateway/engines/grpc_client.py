@@ -239,6 +239,7 @@ def _lens_state(state: pb.EngineState) -> LensState | None:
         peak_throughput_tokens_per_s=lens.peak_throughput_tokens_per_s,
         prediction_error_ratio=lens.prediction_error_ratio,
         slo_risk=lens.slo_risk,
+        prefill_tokens_per_s=lens.prefill_tokens_per_s,
     )
 
 

@@ -37,12 +37,18 @@ Factors:
              requests ahead of it (waiting + dispatched since the report) + 1 - free sequence slots
              (max_num_seqs - n_e), or, when M_e is short of D_r, the requests ahead + the completions whose
              blocks (used KV / n_e each) cover the shortfall, whichever is more; A_e = 0 on an idle engine.
-             R_e = max(P_e - n_e / L_e, 5 % of P_e): the decodes take n_e tokens per iteration.
+             R_e = the prefill rate the engine's LENS reports while it plans the batches
+             (`LensState.prefill_tokens_per_s`: measured over recent iterations with prefill pending), else
+             max(P_e - n_e / L_e, 5 % of P_e): the decodes take n_e tokens per iteration. (LENS's TTFT-bound
+             targets can plan iterations so short that prefill crawls; priced at P_e, PRISM sent 75 % of the
+             Azure conv trace at its own rate to such an H100, TTFT 0.45 s against 0.05 s predicted, issue
+             17.)
              f(m) = 1 / (1 + m^k), k = `latency_steepness`: about 1 well inside the SLO, 1/2 at the SLO,
              plummeting beyond it.
   S_load     = 1 / (1 + rho_e / tau), rho_e = (W_e + p) / P_e, the seconds e needs to drain its pending work
              and r's prefill at peak rate (normalising by P_e compares heterogeneous GPUs), tau =
-             `load_scale_s`.
+             `load_scale_s`. When LENS grants a prefill rate, the prefill part drains at it instead:
+             rho_e = max(W_e - Q_e, 0) / P_e + (Q_e + p) / R_e.
   S_capacity = 1 when the engine's KV size is unknown (kv_blocks_total = 0) or D_r = 0; else with
              x = M_e / D_r: 1 - (1 - eps) * exp(-(x - 1) / kappa) when r fits (x >= 1; near 1 once free KV
              is several times the demand, kappa = `capacity_headroom`), and eps * (1 + max(x, 0)) / 2 when it
@@ -74,7 +80,15 @@ engine's queue ran away (max 333-499 requests on the h100 against 136-260 elsewh
 best. At 60 req/s of Azure conv every engine is past the SLO (92 % of decisions find no feasible engine):
 PRISM spreads the overload so every engine misses, while round robin overloads the a6000s and leaves the
 h100 and a100 within SLO for their shares (attainment 10 % against 27 %). Pricing the queue does not change
-that; goodput there needs deferring or shedding what no engine can serve in time (not built yet).
+that; goodput there needs shedding what no engine can serve in time (`overload = "shed"`).
+At low load (the same fleet, Azure conv at its own 5.5 req/s) PRISM + LENS attained 94 % against round
+robin's 99.9 %: LENS's TTFT-bound target (learnt from a TTFT-TPOT line that promises short TTFTs at any TPOT)
+plans the h100 to 8 ms iterations, and a decode-only batch within 5 % of that target ends Algorithm 1's search
+before any waiting request is admitted, so prefill crawled (a median 125 tokens/s with requests waiting,
+against a P_max of 42,000). Priced at P_max, that h100 looked 10x faster than it was and took 75 % of the
+requests (predicted TTFT 0.05 s, actual 0.45 s). With the prefill rate LENS measures priced instead
+(t_first and the load factor), its share fell to 39 % and attainment rose to 97 %; the rest is LENS's
+starvation itself, which routing cannot undo (results/prism_diagnose_*.json).
 
 Constants: `decode_work_tokens` 128, `latency_steepness` 4, `load_scale_s` 4 s, the weights 1 and
 `shed_margin` 1.0 were chosen by a one-pass coordinate sweep on the training traces only (ShareGPT and Azure
@@ -192,8 +206,9 @@ class _Table:
         "latency",  # L_e
         "first_base",  # L_e + A_e (without a KV shortfall) + Q_e / R_e: t_first before r's own prefill
         "inv_rate",  # 1 / R_e (1 / P_e when no batch runs)
-        "load_base",  # W_e / (tau P_e)
-        "inv_peak_scaled",  # 1 / (tau P_e)
+        "load_base",  # rho_e without r, over tau
+        "inv_peak_scaled",  # r's prompt tokens' share of rho_e over tau: 1 / (tau R_e) if LENS grants R_e,
+        # else 1 / (tau P_e)
         "free_kv",  # M_e (free KV once the unreported dispatches land) where the KV size is known, else +inf
         "kv_wait_free",  # M_e where a KV shortfall makes r wait (a batch runs), else +inf
         "block_size",
@@ -305,11 +320,13 @@ def _row(e: EngineView, params: PrismParams, fallback: float,
     """One engine's `_Table.COLUMNS`, by the module docstring (`class_peaks`: P_e by profile, a memo)."""
     d = params.decode_work_tokens
     lens = e.lens
+    granted = 0.0  # the prefill rate LENS's plans leave a new request (0: it does not plan)
     if lens is not None:
         peak = lens.peak_throughput_tokens_per_s
         latency_s = lens.predicted_batch_latency_s * (1.0 + lens.prediction_error_ratio)
         work = lens.pending_work_tokens
         free_blocks = lens.effective_free_kv_blocks
+        granted = lens.prefill_tokens_per_s
     else:
         if fallback > 0.0:
             peak = fallback
@@ -337,13 +354,23 @@ def _row(e: EngineView, params: PrismParams, fallback: float,
         rate = max(peak - running / latency_s, peak * MIN_PREFILL_SHARE)
     else:
         drain_s, blocked, per_request, rate = 0.0, 0, 1.0, peak
-    inv_peak_scaled = 1.0 / (peak * params.load_scale_s)
+    if granted > 0.0:
+        rate = granted
+    ahead_prefill = e.pending_prefill_tokens + unreported_prompt
+    pending = work + unreported_prompt + d * e.unreported_requests
+    if granted > 0.0:  # prefill drains at the granted rate, the rest of the work at peak
+        inv_prefill = 1.0 / granted
+        load_s = max(pending - ahead_prefill, 0.0) / peak + ahead_prefill * inv_prefill
+    else:
+        inv_prefill = 1.0 / peak
+        load_s = pending * inv_prefill
+    inv_tau = 1.0 / params.load_scale_s
     return (
         latency_s,
-        latency_s + blocked * drain_s + (e.pending_prefill_tokens + unreported_prompt) / rate,
+        latency_s + blocked * drain_s + ahead_prefill / rate,
         1.0 / rate,
-        (work + unreported_prompt + d * e.unreported_requests) * inv_peak_scaled,
-        inv_peak_scaled,
+        load_s * inv_tau,
+        inv_prefill * inv_tau,
         free_after if has_kv else _INF,
         free_after if has_kv and active else _INF,
         block_size,

@@ -267,20 +267,22 @@ class EngineIdentity(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., backend: _Optional[str] = ..., profile: _Optional[str] = ..., role: _Optional[str] = ..., combo: _Optional[str] = ...) -> None: ...
 
 class LensState(_message.Message):
-    __slots__ = ("predicted_batch_latency_s", "pending_work_tokens", "effective_free_kv_blocks", "peak_throughput_tokens_per_s", "prediction_error_ratio", "slo_risk")
+    __slots__ = ("predicted_batch_latency_s", "pending_work_tokens", "effective_free_kv_blocks", "peak_throughput_tokens_per_s", "prediction_error_ratio", "slo_risk", "prefill_tokens_per_s")
     PREDICTED_BATCH_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     PENDING_WORK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEAK_THROUGHPUT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_ERROR_RATIO_FIELD_NUMBER: _ClassVar[int]
     SLO_RISK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     predicted_batch_latency_s: float
     pending_work_tokens: float
     effective_free_kv_blocks: int
     peak_throughput_tokens_per_s: float
     prediction_error_ratio: float
     slo_risk: bool
-    def __init__(self, predicted_batch_latency_s: _Optional[float] = ..., pending_work_tokens: _Optional[float] = ..., effective_free_kv_blocks: _Optional[int] = ..., peak_throughput_tokens_per_s: _Optional[float] = ..., prediction_error_ratio: _Optional[float] = ..., slo_risk: _Optional[bool] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, predicted_batch_latency_s: _Optional[float] = ..., pending_work_tokens: _Optional[float] = ..., effective_free_kv_blocks: _Optional[int] = ..., peak_throughput_tokens_per_s: _Optional[float] = ..., prediction_error_ratio: _Optional[float] = ..., slo_risk: _Optional[bool] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RequestPrediction(_message.Message):
     __slots__ = ("request_id", "generated_tokens", "predicted_remaining_tokens", "current_tokens", "migratable")

@@ -275,3 +275,31 @@ def test_state_vector_eq_8() -> None:
     cold = LensController(LIMITS).state_vector(view([], [5000], free_kv_blocks=10), 0.0)
     assert cold.predicted_batch_latency_s == 0.0 and cold.peak_throughput_tokens_per_s == 0.0
     assert cold.effective_free_kv_blocks == 0 and cold.pending_work_tokens == 5000 + l_bar
+
+
+def test_the_prefill_rate_is_planned_then_measured() -> None:
+    ctl = _warm_controller(LensConfig(default_slo_tpot_s=0.03055, prefill_window=8, prefill_min_samples=4))
+    decoding = view([1, 1], [])
+    # No iteration measured yet: the plan with one more request waiting. B = 3 fits S* = floor((30.55 - 10 -
+    # 3) / 0.1) = 175 tokens (2 decodes + 173 of the new prompt) in 30.5 ms.
+    assert ctl.state_vector(decoding, 0.0).prefill_tokens_per_s == pytest.approx(173 / 0.0305)
+    pending = view([1, 1], [400])
+    for i in range(3):
+        ctl.plan(pending, 0.1 * i)
+        ctl.on_iteration(_Record(0.02, 1, 100, 2, 2), 0.1 * i)
+    assert ctl.measured_prefill_rate is None  # 3 < prefill_min_samples
+    ctl.plan(decoding, 0.3)  # nothing pending: the iteration does not count
+    ctl.on_iteration(_Record(0.02, 0, 0, 2, 2), 0.3)
+    ctl.plan(pending, 0.4)
+    ctl.on_iteration(_Record(0.02, 1, 100, 2, 2), 0.4)
+    assert ctl.measured_prefill_rate == pytest.approx(400 / 0.08)
+    assert ctl.state_vector(decoding, 0.5).prefill_tokens_per_s == pytest.approx(5000.0)
+    # A starved engine (decodes meet the target, prefill gets one token per iteration) reports what it did.
+    for i in range(8):
+        ctl.plan(pending, 1.0 + 0.1 * i)
+        ctl.on_iteration(_Record(0.0133, 1, 1, 2, 2), 1.0 + 0.1 * i)  # T(3, 3), as the model predicts
+    assert ctl.planning  # (a model off by > 25% would stop planning and report 0)
+    assert ctl.state_vector(pending, 2.0).prefill_tokens_per_s == pytest.approx(1 / 0.0133)  # the window: 8
+    # Not planning: 0 (the router falls back to P_max less the decodes).
+    off = _warm_controller(LensConfig(enabled=False, default_slo_tpot_s=0.0305))
+    assert off.state_vector(decoding, 0.0).prefill_tokens_per_s == 0.0

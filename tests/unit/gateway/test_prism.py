@@ -698,3 +698,26 @@ def test_the_memoised_table_decides_as_a_table_built_afresh(seed: int, lens_shar
         engine, _ = kept.decide(feats, snap)
         if engine is not None:
             state.note_dispatch(engine, feats.request_id, feats.prompt_tokens, feats.max_tokens, "", now_s)
+
+
+def test_the_prefill_rate_lens_grants_prices_the_ttft_and_the_load() -> None:
+    """An engine whose LENS plans leave prefill 1,000 tokens/s (a TTFT-bound target) loses a long prompt to a
+    slower GPU that prefills at 8,000, though its P_max is four times higher."""
+    starved = engine("a", peak_throughput_tokens_per_s=40_000.0, prefill_tokens_per_s=1_000.0,
+                     predicted_batch_latency_s=0.008, pending_prefill_tokens=1_000,
+                     pending_work_tokens=1_000.0)
+    steady = engine("b", peak_throughput_tokens_per_s=10_000.0, prefill_tokens_per_s=8_000.0,
+                    predicted_batch_latency_s=0.03, pending_prefill_tokens=1_000, pending_work_tokens=1_000.0)
+    feats = features(prompt_tokens=2_000, max_tokens=10, slo_ttft_s=1.0, slo_tpot_s=0.05)
+    snap = snapshot(starved, steady)
+    first = {e: t for e, t, _, _ in PrismPolicy().timings(feats, snap)}
+    assert first["a"] == pytest.approx(0.008 + 3_000 / 1_000.0)
+    assert first["b"] == pytest.approx(0.03 + 3_000 / 8_000.0)
+    assert pick(snap, feats) == "b"
+    # The load factor drains the prefill at the granted rate: (W - Q) / P_max + (Q + p) / R.
+    load = factors(starved, feats, snap).load
+    assert load == pytest.approx(1 / (1 + (0 / 40_000.0 + 3_000 / 1_000.0) / 4.0))
+    # Without a granted rate (LENS not planning) the same engine is priced at its peak and wins.
+    unplanned = engine("a", peak_throughput_tokens_per_s=40_000.0, predicted_batch_latency_s=0.008,
+                       pending_prefill_tokens=1_000, pending_work_tokens=1_000.0)
+    assert pick(snapshot(unplanned, steady), feats) == "a"
