@@ -48,6 +48,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import cast
 
 from gateway.cluster.health import EngineHealth, FailureReason, OutlierParams
 from gateway.domain import (
@@ -104,7 +105,6 @@ class _Engine:
     # STAR: the last prediction round's predictions and future-load summary (reports carry them per round).
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
-    last_view: EngineView | None = None  # in the last snapshot (reused while the engine is clean)
     index: int = -1  # position in the engines' id order; -1 once removed
     dirty: bool = True  # its view must be rebuilt at the next snapshot
     wake_s: float = math.inf  # when its view changes by time alone (see `_boundary_s`)
@@ -149,7 +149,8 @@ class ClusterState:
         self._sessions: OrderedDict[str, tuple[EngineId, float]] = OrderedDict()  # oldest use first
         self._changed = True  # the snapshot object must be rebuilt (some view, the routes or the stages)
         self._cached: ClusterSnapshot | None = None
-        self._views: list[EngineView] = []  # the last views, in `_order`
+        # The last snapshot's views, in `_order` (None: not built since the engines changed).
+        self._views: list[EngineView | None] = []
         self._dirty: list[_Engine] = []  # engines whose views must be rebuilt
         # (time, tie, engine): when an engine's view changes by time alone; lazy (an entry whose time is no
         # longer the engine's `wake_s` is skipped).
@@ -173,7 +174,7 @@ class ClusterState:
 
     def _reorder(self) -> None:
         self._order = tuple(self._engines[e] for e in sorted(self._engines))
-        self._views = []
+        self._views = [None] * len(self._order)
         self._dirty = []
         for index, state in enumerate(self._order):
             state.index, state.dirty = index, True
@@ -410,26 +411,26 @@ class ClusterState:
                 state.wake_s = math.inf
                 self._touch(state)
         views = self._views
-        if len(views) != len(self._order):  # membership changed: every view is rebuilt
-            views[:] = [EngineView(engine_id=s.engine_id, model="") for s in self._order]
         for state in self._dirty:
             if state.index < 0:
                 continue  # removed since it was touched
             state.dirty = False
             view = self._view(state, now_s)
-            last = state.last_view
+            last = views[state.index]
             if last is None or (last.ready is not view.ready or last.ejected is not view.ejected
                                 or last.combo != view.combo or last.model != view.model
                                 or last.profile != view.profile or last.role != view.role):
                 self._membership = next(_MEMBERSHIP_EPOCHS)
-            state.last_view = views[state.index] = view
+            views[state.index] = view
             wake_s = self._boundary_s(state, view, now_s)
             if wake_s != state.wake_s:
                 state.wake_s = wake_s
                 if wake_s < math.inf:
                     heapq.heappush(wakes, (wake_s, next(self._wake_ties), state))
         self._dirty.clear()
-        snapshot = ClusterSnapshot(taken_at_s=now_s, engines=tuple(views), routes=self._routes,
+        # Every entry is built now: `_reorder` marks every engine dirty when it resets the list to None.
+        engines = cast(tuple[EngineView, ...], tuple(views))
+        snapshot = ClusterSnapshot(taken_at_s=now_s, engines=engines, routes=self._routes,
                                    membership=self._membership, stages=self._stages)
         self._cached = snapshot
         self._changed = False
