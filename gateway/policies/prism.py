@@ -93,9 +93,12 @@ starvation itself, which routing cannot undo (results/prism_diagnose_*.json).
 Constants: `decode_work_tokens` 128, `latency_steepness` 4, `load_scale_s` 4 s, the weights 1 and
 `shed_margin` 1.0 were chosen by a one-pass coordinate sweep on the training traces only (ShareGPT and Azure
 conv, both fleets of benchmarks/nexussched_repro.py at its two highest loads; Azure code and arXiv held out):
-`benchmarks/prism_overload.py sweep`, output benchmarks/prism_sweep.json (mean attainment 0.620 at the earlier
-defaults, 0.626 with tau 4 s, 0.723 with shedding at margin 1.0; d 64-512, k 2-8, w_load 0.5-2 and margins
-1.25-3 did no better).
+`benchmarks/prism_overload.py sweep`, output benchmarks/prism_sweep.json. Rerun with the measured prefill
+rate priced, it chose the same values: mean attainment 0.318 (0.298-0.318 over d 64-512, k 2-8, tau 0.25-4 s,
+w_load 0.5-2) and 0.607 with shedding at margin 1.0 (0.327-0.384 at margins 1.25-3). The first run's means
+(0.626, 0.723) do not reproduce: its homogeneous cells at the top loads scored about 1.0 and now score about
+0.16 (the heterogeneous ones moved little); that output probably predates the 20 s minimum run length, under
+which 1,000 requests at 400 req/s were a burst the fleet absorbed (likely, not verified).
 
 Stale state: with age a = `ClusterSnapshot.state_age_s(view)`, confidence
 c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
