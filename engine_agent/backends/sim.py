@@ -158,6 +158,7 @@ class SimBackend:
         kv_link_gbps: float = 200.0,
         kv_transfer_latency_s: float = 0.002,
         lens_planning: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         if hidden_state_interval is not None and hidden_state_interval < 1:
             raise ValueError(f"hidden_state_interval must be >= 1 (None: off), got {hidden_state_interval}")
@@ -177,6 +178,7 @@ class SimBackend:
             lens=SimLens.for_profile(profile, planning=lens_planning),
             handoff=role == PREFILL_ROLE,
             record_batches=True,  # CascadeInfer's batch loads (`_track_qoe`)
+            prefix_caching=prefix_caching,
         )
         self._static = EngineStatic(
             engine_id=engine_id,

@@ -56,11 +56,13 @@ from engine_agent.domain import (
 )
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.migration import EngineMigration, MigrationCut
+from engine_agent.sim.prefix_cache import KvDelta, PrefixCache
 from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, Seq
 from engine_agent.sim.sequence import LCG_INC as _LCG_INC
 from engine_agent.sim.sequence import LCG_MUL as _LCG_MUL
 from engine_agent.sim.sequence import MASK64 as _MASK64
 from switchyard.perf_model import PerfCoefficients, iteration_time_s
+from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys, span_of
 from switchyard.profiles import Profile
 
 
@@ -118,13 +120,18 @@ class SimEngine(EngineMigration):
     __slots__ = ("_profile", "_seed", "_vocab_size", "_eos", "_excluded", "_engine_id", "_coeffs", "_seqs",
                  "_running", "_waiting", "_num_waiting", "_reserved_blocks", "_pending_prefill",
                  "_running_tokens", "_free_blocks", "_order", "_iterations", "_preempted_total",
-                 "_last_iteration_s", "_changes", "_incoming", "_lens", "_handoff", "_record_batches")
+                 "_last_iteration_s", "_changes", "_incoming", "_lens", "_handoff", "_record_batches",
+                 "_cache", "_span")
 
     def __init__(self, profile: Profile, *, seed: int = 0, vocab_size: int = 32000, eos_token_id: int = 2,
                  special_token_ids: frozenset[int] = frozenset(), engine_id: str = "sim-0",
-                 lens: SimLens | None = None, handoff: bool = False, record_batches: bool = False) -> None:
+                 lens: SimLens | None = None, handoff: bool = False, record_batches: bool = False,
+                 prefix_caching: bool = False) -> None:
         """`handoff`: the prefill role (see the module docstring). `record_batches`: each step's result
-        carries its `IterationBatch` (one pass over the batch, ~35 us at 1,024 sequences; off by default)."""
+        carries its `IterationBatch` (one pass over the batch, ~35 us at 1,024 sequences; off by default).
+        `prefix_caching`: reuse cached prompt blocks (vLLM's automatic prefix caching). Off by default here
+        so that tests and microbenchmarks feeding identical dummy prompts measure batching alone; every engine
+        the product runs (the sim agent, the simulator's fleet) turns it on, as vLLM does by default."""
         excluded = tuple(sorted(t for t in ({eos_token_id} | special_token_ids) if 0 <= t < vocab_size))
         if vocab_size - len(excluded) <= 0:
             raise ValueError("vocab_size leaves no token ids after excluding eos and special tokens")
@@ -153,6 +160,8 @@ class SimEngine(EngineMigration):
         self._lens = lens
         self._handoff = handoff
         self._record_batches = record_batches
+        self._cache = PrefixCache() if prefix_caching else None
+        self._span = span_of(profile.block_size) if prefix_caching else 0
 
     @property
     def handoff(self) -> bool:
@@ -177,6 +186,19 @@ class SimEngine(EngineMigration):
         return self._lens
 
     @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (None: prefix caching off)."""
+        return self._cache
+
+    def drain_kv_events(self) -> KvDelta:
+        """Index blocks stored and evicted since the last call (empty with prefix caching off)."""
+        return self._cache.drain() if self._cache is not None else KvDelta()
+
+    def kv_snapshot(self) -> KvDelta:
+        """Every index block cached now, as a resync batch (`cleared` first); pending events are dropped."""
+        return self._cache.snapshot() if self._cache is not None else KvDelta(cleared=True)
+
+    @property
     def change_counter(self) -> int:
         return self._changes
 
@@ -195,6 +217,11 @@ class SimEngine(EngineMigration):
         self._order += 1
         seq = Seq(rid, len(request.prompt_token_ids), target_len, stop, request.priority, self._order, now_s,
                   key, excluded, token_range)
+        if self._cache is not None:
+            ids = request.prompt_token_ids
+            ids = ids if isinstance(ids, tuple) else tuple(ids)
+            seq.keys = block_keys(ids, self._profile.block_size)
+            seq.index_keys = block_keys(ids, INDEX_SPAN_TOKENS)
         self._seqs[rid] = seq
         self._enqueue(seq)
         self._changes += 1
@@ -263,11 +290,24 @@ class SimEngine(EngineMigration):
         """Free the KV of a running request taken off the running list; forget what it computed."""
         if seq.migration is not None and not seq.migration.recomputed:
             seq.migration.recomputed = seq.num_tokens - 1  # a preempted migrant recomputes what it loaded
-        self._free_blocks += seq.num_blocks
+        self._free_blocks += self._drop_blocks(seq)
         self._running_tokens -= seq.num_computed
         if seq.num_computed < seq.prefill_end:
             self._pending_prefill -= seq.prefill_end - seq.num_computed
-        seq.num_computed = seq.num_blocks = 0
+        seq.num_computed = 0
+
+    def _drop_blocks(self, seq: Seq) -> int:
+        """Let go of a request's KV blocks; how many become free (its private ones, and cached ones nobody
+        else holds, which stay cached until evicted)."""
+        n = seq.num_blocks
+        seq.num_blocks = 0
+        held = seq.held
+        if not held:
+            return n
+        seq.held = []
+        seq.hashed = 0
+        assert self._cache is not None
+        return n - len(held) + self._cache.release(held)
 
     def abort(self, request_id: RequestId, now_s: float) -> FinishEvent | None:
         """Drop a request and free its KV at once; None when the id is unknown (never added or finished)."""
@@ -314,29 +354,55 @@ class SimEngine(EngineMigration):
         return Timings(queue_s=queue_s, prefill_s=seq.first_token_s - seq.first_scheduled_s,
                        decode_s=max(0.0, end_s - seq.first_token_s))
 
-    def _admit(self, now_s: float, budget: int, free_blocks: int) -> bool:
-        """Move the head of the waiting queue to the running list if its next chunk fits; False otherwise."""
+    def _admit(self, now_s: float, budget: int, free_blocks: int) -> int:
+        """Move the head of the waiting queue to the running list if its next chunk fits, reusing the cached
+        blocks its prompt starts with; the free blocks those took (cached blocks nobody held), or -1 when
+        nothing was admitted."""
         heap = self._waiting
         if len(self._running) >= self._profile.max_num_seqs:
-            return False
+            return -1
         while heap:
             seq = heap[0][2]
             if seq.state == WAITING:
                 break
             heapq.heappop(heap)  # aborted while waiting
         else:
-            return False
-        chunk = seq.num_tokens if seq.num_tokens < budget else budget
-        if -(-chunk // self._profile.block_size) > free_blocks:
-            return False
+            return -1
+        bs = self._profile.block_size
+        cache = self._cache
+        hits = taken = 0
+        if cache is not None and seq.keys:
+            # vLLM recomputes at least the prompt's last token, so a fully cached prompt gives up its last
+            # block.
+            hits = cache.match(seq.keys[:(seq.num_tokens - 1) // bs])
+            if hits:
+                taken = cache.evictable_among(seq.keys[:hits])
+        computed = hits * bs
+        left = seq.num_tokens - computed
+        chunk = left if left < budget else budget
+        if -(-(computed + chunk) // bs) - hits > free_blocks - taken:
+            return -1
         heapq.heappop(heap)
+        if cache is not None and seq.keys:
+            held = seq.keys[:hits]
+            cache.acquire(held)
+            seq.held = held
+            seq.hashed = hits
+            seq.num_blocks = hits
+            seq.num_computed = computed
+            self._running_tokens += computed
+            self._pending_prefill -= computed
+            cache.queried_blocks_total += len(seq.keys)
+            cache.hit_blocks_total += hits
+            if seq.first_scheduled_s < 0:
+                seq.cached_tokens = computed
         seq.state = RUNNING
         self._running.append(seq)
         self._num_waiting -= 1
         self._reserved_blocks -= seq.reserved_blocks
         if seq.first_scheduled_s < 0:
             seq.first_scheduled_s = now_s
-        return True
+        return taken
 
     def step(self, now_s: float) -> StepResult:
         """Schedule and run one iteration starting at `now_s`; its effects are visible at now_s + duration_s.
@@ -362,9 +428,15 @@ class SimEngine(EngineMigration):
         freed = preempted = pending_done = computed_now = context_tokens = 0
         n_pre = pre_tokens = pairs = prior = n_dec = dec_sum = dec_max = 0
         i = 0
+        cache = self._cache
         while budget > 0:
-            if i == len(running) and (preempted or not self._admit(now_s, budget, free)):
-                break
+            if i == len(running):
+                if preempted:
+                    break
+                taken = self._admit(now_s, budget, free)
+                if taken < 0:
+                    break
+                free -= taken
             seq = running[i]
             i += 1
             c = seq.num_computed
@@ -388,6 +460,8 @@ class SimEngine(EngineMigration):
                     free = self._free_blocks
                     if victim is seq:
                         break
+                if cache is not None and need > free - cache.evictable:
+                    cache.evict(need - (free - cache.evictable))
                 free -= need
                 seq.num_blocks += need
             budget -= n
@@ -405,6 +479,8 @@ class SimEngine(EngineMigration):
                 pending_done += n
             c += n
             seq.num_computed = c
+            if seq.hashed < len(seq.keys) and c >= (seq.hashed + 1) * bs:
+                self._register(seq, c)
             computed_now += n
             context_tokens += c
             if c != total:
@@ -429,9 +505,8 @@ class SimEngine(EngineMigration):
                 handing.append(seq)
             if k == seq.target_len:
                 seq.state = DONE
-                freed += seq.num_blocks
+                freed += self._drop_blocks(seq)
                 computed_now -= c
-                seq.num_blocks = 0
                 del self._seqs[seq.request_id]
                 done.append(seq)
 
@@ -451,7 +526,7 @@ class SimEngine(EngineMigration):
         if done:
             for seq in done:
                 reason: FinishReason = "stop" if seq.stop_at_target else "length"
-                usage = Usage(seq.prompt_len, seq.num_output)
+                usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
                 finished.append((seq.request_id, FinishEvent(reason, usage, self._timings(seq, end_s))))
                 if lens is not None:
                     lens.on_finished(seq, end_s)
@@ -470,6 +545,29 @@ class SimEngine(EngineMigration):
         if lens is not None:
             lens.after_iteration(record, end_s)
         return StepResult(duration_s, tuple(tokens), tuple(finished), record, handoffs, batch)
+
+    def _evict_for(self, blocks: int) -> None:
+        """Evict cached blocks until `blocks` free ones hold no cached prefix (the caller checked that many
+        are free)."""
+        cache = self._cache
+        if cache is not None:
+            empty = self._free_blocks - cache.evictable
+            if blocks > empty:
+                cache.evict(blocks - empty)
+
+    def _register(self, seq: Seq, computed: int) -> None:
+        """Cache the prompt blocks `seq` has now computed in full (a block another request cached first
+        stays this request's private copy)."""
+        cache = self._cache
+        assert cache is not None
+        keys, index_keys, span = seq.keys, seq.index_keys, self._span
+        full = min(computed // self._profile.block_size, len(keys))
+        for j in range(seq.hashed, full):
+            end = j + 1
+            index_key = index_keys[end // span - 1] if end % span == 0 else None
+            if cache.insert(keys[j], index_key):
+                seq.held.append(keys[j])
+        seq.hashed = full
 
     def stats(self, now_s: float) -> EngineStats:
         """The engine's figures after the last step (the driver overrides `draining`); with LENS attached, its

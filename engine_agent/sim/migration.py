@@ -94,6 +94,8 @@ class EngineMigration:
 
         def _release(self, seq: Seq) -> None: ...
 
+        def _evict_for(self, blocks: int) -> None: ...
+
         def _enqueue(self, seq: Seq) -> None: ...
 
     def migrate_out(self, request_id: RequestId, now_s: float) -> MigrationCut:
@@ -226,6 +228,7 @@ class EngineMigration:
             if migration.ready_s < 0:
                 if seq.reserved_blocks > self._free_blocks:
                     break  # first come, first served: later arrivals wait too
+                self._evict_for(seq.reserved_blocks)
                 self._free_blocks -= seq.reserved_blocks
                 self._reserved_blocks -= seq.reserved_blocks
                 seq.num_blocks, seq.reserved_blocks = seq.reserved_blocks, 0

@@ -53,7 +53,7 @@ class Seq:
     __slots__ = ("request_id", "prompt_len", "target_len", "stop_at_target", "priority", "order", "arrival_s",
                  "state", "num_tokens", "num_computed", "num_output", "num_blocks", "prefill_end",
                  "reserved_blocks", "first_scheduled_s", "first_token_s", "rng", "excluded",
-                 "token_range", "migration")
+                 "token_range", "migration", "keys", "index_keys", "held", "hashed", "cached_tokens")
 
     def __init__(self, request_id: RequestId, prompt_len: int, target_len: int, stop_at_target: bool,
                  priority: int, order: int, arrival_s: float, rng: int, excluded: tuple[int, ...],
@@ -74,3 +74,12 @@ class Seq:
         self.excluded = excluded  # sorted token ids never drawn
         self.token_range = token_range
         self.migration: MigrationLoad | None = None  # set on a request resumed by `add_migrated_request`
+        # Prefix caching (`engine_agent.sim.prefix_cache`): the chain keys of the prompt's full KV blocks and
+        # of its index blocks (empty: caching off, or a migrant), the keys whose cached blocks this request
+        # holds, how many prompt blocks it has looked up or registered, and the prompt tokens its first
+        # admission found cached (usage's cached_tokens).
+        self.keys: list[int] = []
+        self.index_keys: list[int] = []
+        self.held: list[int] = []
+        self.hashed = 0
+        self.cached_tokens = 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadgen.datasets.mooncake import load_mooncake
 from loadgen.datasets.request import Request, TokenizerLike
 from loadgen.datasets.synth import fill_prompts, lognormal_requests
 from loadgen.datasets.text import load_alpaca, load_custom_jsonl, load_questions, load_sharegpt
@@ -31,7 +32,7 @@ class DatasetSpec:
 
     name: str
     relpath: str
-    kind: str  # "sharegpt" | "azure" | "lengths" | "questions" | "alpaca"
+    kind: str  # "sharegpt" | "azure" | "lengths" | "questions" | "alpaca" | "mooncake"
 
 
 DATASETS: tuple[DatasetSpec, ...] = (
@@ -43,6 +44,8 @@ DATASETS: tuple[DatasetSpec, ...] = (
     DatasetSpec("mt-bench", "mt_bench/fastchat/question.jsonl", "questions"),
     DatasetSpec("spec-bench", "spec_bench/question.jsonl", "questions"),
     DatasetSpec("alpaca", "alpaca/alpaca_5000.json", "alpaca"),
+    DatasetSpec("mooncake-conv", "mooncake/conversation_trace.jsonl", "mooncake"),
+    DatasetSpec("mooncake-synth", "mooncake/synthetic_trace.jsonl", "mooncake"),
 )
 PATH_PREFIXES = ("sharegpt:", "jsonl:")
 SYNTH_PREFIX = "synth:"
@@ -134,6 +137,8 @@ def _load_all(
         return load_azure_csv(path, name=label)
     if kind == "lengths":
         return load_length_csv(path, name=label)
+    if kind == "mooncake":
+        return load_mooncake(path, name=label)
     if kind == "questions":
         return load_questions(path, name=label, tokenizer=tokenizer)
     return load_alpaca(path, name=label, tokenizer=tokenizer)

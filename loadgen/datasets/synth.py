@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from loadgen.datasets.mooncake import HASH_IDS, prompt_ids_of
 from loadgen.datasets.request import Request, TokenizerLike
 
 SeedLike = int | Sequence[int]
@@ -132,6 +133,14 @@ def fill_prompts(
     for index, req in enumerate(requests):
         if req.prompt is not None or req.prompt_token_ids is not None:
             out.append(req)
+        elif HASH_IDS in req.metadata:  # a prefix trace: its blocks decide its tokens
+            if vocab_size is None:
+                raise ValueError(f"request {req.request_id}: a prefix-trace prompt (hash_ids) is replayed as "
+                                 f"token ids, which needs the model's vocabulary size (e.g. --vocab-size)")
+            hash_ids = req.metadata[HASH_IDS]
+            assert isinstance(hash_ids, tuple)
+            out.append(dataclasses.replace(req, prompt_token_ids=prompt_ids_of(hash_ids, req.prompt_tokens,
+                                                                                vocab_size)))
         elif tokenizer is not None:
             text = synthesize_prompt_text(req.prompt_tokens, tokenizer, seed=(seed, index))
             out.append(dataclasses.replace(req, prompt=text, messages=(("user", text),)))

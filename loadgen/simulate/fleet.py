@@ -5,7 +5,8 @@ Owns: `SimNode` (an engine with its LENS (`SimLens`: planning per `EngineSpec.le
 STAR prediction rounds when a rescheduling arm runs, whether an iteration is in flight and that iteration's
 result, per-engine totals and load-balance figures), `build_fleet` (engine ids `{profile}-{i}`, numbered
 from 0 per profile in spec order, the same model names live agents report; one synthetic hidden-state
-generator per model for a length predictor) and `PromptIds` (shared prompt token-id tuples by length).
+generator per model for a length predictor) and `PromptIds` (the prompt token ids a simulated request is
+admitted with).
 Must not: order events, call policies or read clocks (that is `loadgen.simulate.runner`).
 """
 
@@ -19,6 +20,8 @@ from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.lens_adapter import SimLens
 from gateway.domain import EngineId
+from loadgen.datasets.mooncake import HASH_IDS, prompt_ids_of
+from loadgen.datasets.request import Request
 from loadgen.simulate.predictions import PredictionRounds, remaining_lengths
 from loadgen.simulate.reports import ReportFeed, describe_engine
 from loadgen.simulate.spec import LENS_STATE_POLICIES, EngineSpec, SimOptions
@@ -27,27 +30,50 @@ from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 # Bound on the token ids held by a `PromptIds` cache (8 bytes each): beyond it, tuples are made per request.
 MAX_CACHED_PROMPT_TOKENS = 8_000_000
+SIM_VOCAB_SIZE = 32_000  # `SimEngine`'s default vocabulary
 
 
 class PromptIds:
-    """Prompt token ids of a given length: the engine model reads only their count, so every prompt of n
-    tokens shares one tuple of n zeros (references to one int), cached per simulation up to a size bound."""
+    """Prompt token ids for simulated requests. The engine model reads their count and, for its prefix cache,
+    which blocks two prompts share: a prefix trace's prompt follows its `hash_ids` blocks
+    (`loadgen.datasets.mooncake`), a request that carries ids keeps them, and any other prompt is two salt
+    tokens unique to the request followed by zeros (so no two share a block: nothing the trace does not say
+    is shared hits the cache). The zeros are shared tuples by length, cached up to a size bound."""
 
-    __slots__ = ("_by_length", "_cached_tokens", "_max_cached_tokens")
+    __slots__ = ("_by_length", "_cached_tokens", "_max_cached_tokens", "_count", "_vocab_size")
 
-    def __init__(self, max_cached_tokens: int = MAX_CACHED_PROMPT_TOKENS) -> None:
+    def __init__(self, max_cached_tokens: int = MAX_CACHED_PROMPT_TOKENS, vocab_size: int = SIM_VOCAB_SIZE
+                 ) -> None:
         self._by_length: dict[int, tuple[int, ...]] = {}
         self._cached_tokens = 0
         self._max_cached_tokens = max_cached_tokens
+        self._count = 0
+        self._vocab_size = vocab_size
 
     def __call__(self, length: int) -> tuple[int, ...]:
-        ids = self._by_length.get(length)
-        if ids is None:
-            ids = (0,) * length
-            if self._cached_tokens + length <= self._max_cached_tokens:
-                self._by_length[length] = ids
-                self._cached_tokens += length
-        return ids
+        """A prompt of `length` tokens sharing no block with any other this object made."""
+        self._count += 1
+        span = self._vocab_size - 1
+        head = (1 + self._count // span % span, 1 + self._count % span)
+        if length <= 2:
+            return head[:length]
+        rest = length - 2
+        zeros = self._by_length.get(rest)
+        if zeros is None:
+            zeros = (0,) * rest
+            if self._cached_tokens + rest <= self._max_cached_tokens:
+                self._by_length[rest] = zeros
+                self._cached_tokens += rest
+        return head + zeros
+
+    def of(self, request: Request) -> tuple[int, ...]:
+        """The token ids `request` is admitted with (see the class docstring)."""
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        hash_ids = request.metadata.get(HASH_IDS)
+        if isinstance(hash_ids, tuple):
+            return prompt_ids_of(hash_ids, request.prompt_tokens, self._vocab_size)
+        return self(request.prompt_tokens)
 
 
 class SimNode:
@@ -71,7 +97,7 @@ class SimNode:
         lens = (SimLens.for_profile(profile, planning=planning, state_vector=state)
                 if planning or state else None)
         self.engine = SimEngine(profile, seed=options.seed, engine_id=engine_id, lens=lens,
-                                handoff=role == PREFILL_ROLE)
+                                handoff=role == PREFILL_ROLE, prefix_caching=options.prefix_caching)
         self.role = role  # `switchyard.roles`: a prefill engine hands each request off after its first token
         self.feed = ReportFeed(self.engine, describe_engine(engine_id, profile, role=role),
                                interval_s=options.state_interval_s, delay_s=options.report_delay_s,

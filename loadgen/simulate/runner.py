@@ -59,19 +59,19 @@ DRAINING_ERROR = "engine agent is draining; send the request elsewhere"
 
 
 def engine_request_of(request: Request, model: str, max_tokens: int, ignore_eos: bool,
-                    prompt_ids: PromptIds) -> EngineRequest:
+                      prompt_ids: tuple[int, ...]) -> EngineRequest:
     """The request as the gateway would see it: its text or messages when the trace has them (so the prompt
-    estimate is the live one), else token ids of the exact prompt length."""
-    token_ids = request.prompt_token_ids
+    estimate is the live one), else `prompt_ids`, the ids its engine admits (`PromptIds.of`)."""
     turns = None
     text = None
-    if token_ids is None:
+    token_ids: tuple[int, ...] | None = prompt_ids
+    if request.prompt_token_ids is None:
         if request.messages is not None:
             turns = tuple(ChatTurn(role, content) for role, content in request.messages)
+            token_ids = None
         elif request.prompt is not None:
             text = request.prompt
-        else:
-            token_ids = prompt_ids(request.prompt_tokens)
+            token_ids = None
     return EngineRequest(request_id=request.request_id, model=model, messages=turns, prompt_text=text,
                          prompt_token_ids=token_ids, max_tokens=max_tokens, ignore_eos=ignore_eos,
                          session_id=request.session_id or "")
@@ -306,7 +306,8 @@ class _Run:
         forced_tokens = request.output_tokens or 0
         forced = forced_tokens > 0
         max_tokens = forced_tokens if forced else self.options.max_output_tokens_default
-        engine_request = engine_request_of(request, model, max_tokens, forced, self.prompt_ids)
+        prompt_ids = self.prompt_ids.of(request)
+        engine_request = engine_request_of(request, model, max_tokens, forced, prompt_ids)
         options = self.options
         hints = RoutingHints(arrival_s=now_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
                              slo_tpot_s=options.slo_tpot_s)
@@ -339,7 +340,7 @@ class _Run:
         rid = request.request_id
         features = decision.features
         backend_request = BackendRequest(
-            request_id=RequestId(rid), prompt_token_ids=self.prompt_ids(request.prompt_tokens),
+            request_id=RequestId(rid), prompt_token_ids=prompt_ids,
             sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=forced), session_id=session_id,
             slo_ttft_s=features.slo_ttft_s, slo_tpot_s=features.slo_tpot_s)
         node.feed.flush(now_s)

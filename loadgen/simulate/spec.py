@@ -115,6 +115,8 @@ class SimOptions:
     `stale_after_s`: the gateway's staleness bound; `seed`: engine sampling seed and the dispatcher's random
     draws; `max_output_tokens_default`: max_tokens of requests with no forced output length;
     `record_timeline_s`: the timeline's sampling period.
+    `prefix_caching`: engines reuse cached prompt blocks (`engine_agent.sim.prefix_cache`; prompts share
+    blocks only where the trace says so, `loadgen.simulate.fleet.PromptIds`) and report KV events.
     `lens_planning`: LENS plans every engine's token budget (Algorithm 1) unless its `EngineSpec.lens` says
     otherwise; `lens_state`: engines run LENS's model and report its state vector (Eq. 8) even without
     planning; None (default) = only when the policy reads it (`LENS_STATE_POLICIES`: running the model costs
@@ -149,6 +151,7 @@ class SimOptions:
     seed: int = 0
     max_output_tokens_default: int = 2048
     record_timeline_s: float = 1.0
+    prefix_caching: bool = True
     lens_planning: bool = False
     lens_state: bool | None = None
     slo_ttft_s: float | None = None

@@ -87,8 +87,10 @@ def check_complete(raw: bytes, tokens: int) -> None:
 def semantics(raw: bytes) -> tuple[Any, ...]:
     """What a whole stream says, less how its tokens were split into chunks (a timing matter: deltas that
     arrive together are sent as one) and the wall-clock second in `created`: id, model, role, the text,
-    finish reason, usage."""
+    finish reason, usage less its cached tokens (how much of the prompt an engine had cached depends on what
+    it served before, not on the signal: the reference's own prompt, for one)."""
     chunks = [orjson.loads(e) for e in events(raw)[:-1]]
+    usage = {k: v for k, v in chunks[-1]["usage"].items() if k != "prompt_tokens_details"}
     content = [c for c in chunks if c["choices"]]
     return (
         {c["id"] for c in chunks},
@@ -96,7 +98,7 @@ def semantics(raw: bytes) -> tuple[Any, ...]:
         content[0]["choices"][0]["delta"].get("role"),
         "".join(c["choices"][0]["delta"].get("content") or "" for c in content),
         [c["choices"][0]["finish_reason"] for c in content if c["choices"][0]["finish_reason"]],
-        chunks[-1]["usage"],
+        usage,
     )
 
 

@@ -254,7 +254,14 @@ async def test_stream_bytes_match_the_single_worker_gateway(gw: Supervised, engi
     check_complete(two, 12)
     assert two_type == one_type
     created = re.compile(rb'"created":\d+')  # the wall-clock second the request arrived
-    assert created.sub(b'"created":0', two) == created.sub(b'"created":0', one)
+    # How much of the prompt was cached depends on which engine served it and what it served before (the
+    # first stream's prompt is cached on its engine), not on the gateway's workers.
+    cached = re.compile(rb'"cached_tokens":\d+')
+
+    def same(raw: bytes) -> bytes:
+        return cached.sub(b'"cached_tokens":0', created.sub(b'"created":0', raw))
+
+    assert same(two) == same(one)
 
 
 async def test_sigterm_drains_an_in_flight_stream_and_exits_0(engines: list[str], tmp_path: Path) -> None:

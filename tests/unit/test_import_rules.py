@@ -56,6 +56,7 @@ PURE_CORES = (
     PureCore("gateway/policies", (*GATEWAY_DOMAIN, "gateway.policies", *CATALOGUE)),
     PureCore("gateway/cluster/health.py", ()),
     PureCore("gateway/cluster/state.py", (*GATEWAY_DOMAIN, "gateway.cluster.health")),
+    PureCore("gateway/cluster/prefix_index.py", GATEWAY_DOMAIN),
     PureCore("gateway/dispatch/features.py", GATEWAY_DOMAIN),
     PureCore("gateway/dispatch/retry.py", ()),
     PureCore("gateway/access", ("gateway.access", "gateway.config")),
@@ -73,7 +74,7 @@ PURE_CORES = (
                                       "switchyard.qoe")),
     PureCore("engine_agent/lens", (*AGENT_DOMAIN, "engine_agent.lens")),
     PureCore("engine_agent/sim", (*AGENT_DOMAIN, "engine_agent.lens", "engine_agent.sim", *CATALOGUE,
-                                  "switchyard.qoe")),
+                                  "switchyard.qoe", "switchyard.prefix")),
     # CascadeInfer's online QoE fit and the KV pull throughput: fed by the backends, pure themselves.
     PureCore("engine_agent/qoe_tracker.py", (*AGENT_DOMAIN, "switchyard.qoe")),
     PureCore("engine_agent/transfer_rate.py", ()),
@@ -86,6 +87,8 @@ PURE_CORES = (
     PureCore("switchyard/perf_model.py", ("switchyard.hardware", "switchyard.profiles")),
     PureCore("switchyard/roles.py", ()),
     PureCore("switchyard/qoe.py", ()),
+    # Prefix block keys: the one definition of a shared prefix, for engines, agents and the gateway.
+    PureCore("switchyard/prefix.py", ()),
 )
 
 

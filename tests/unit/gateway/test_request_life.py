@@ -239,7 +239,7 @@ async def live_decisions() -> list[Decision]:
         for arrival_s, request in SCHEDULE:
             clock.set(arrival_s)
             max_tokens = request.output_tokens or OPTIONS.max_output_tokens_default
-            engine_request = engine_request_of(request, MODEL, max_tokens, True, prompt_ids)
+            engine_request = engine_request_of(request, MODEL, max_tokens, True, prompt_ids.of(request))
             hints = RoutingHints(arrival_s=arrival_s, session_id=request.session_id or "",
                                  slo_ttft_s=OPTIONS.slo_ttft_s, slo_tpot_s=OPTIONS.slo_tpot_s)
             await dispatcher.run([engine_request], hints, Sink())
