@@ -126,12 +126,17 @@ class SimEngine(EngineMigration):
     def __init__(self, profile: Profile, *, seed: int = 0, vocab_size: int = 32000, eos_token_id: int = 2,
                  special_token_ids: frozenset[int] = frozenset(), engine_id: str = "sim-0",
                  lens: SimLens | None = None, handoff: bool = False, record_batches: bool = False,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, kv_events: bool = False) -> None:
         """`handoff`: the prefill role (see the module docstring). `record_batches`: each step's result
         carries its `IterationBatch` (one pass over the batch, ~35 us at 1,024 sequences; off by default).
-        `prefix_caching`: reuse cached prompt blocks (vLLM's automatic prefix caching). Off by default here
-        so that tests and microbenchmarks feeding identical dummy prompts measure batching alone; every engine
-        the product runs (the sim agent, the simulator's fleet) turns it on, as vLLM does by default."""
+        `prefix_caching`: reuse cached prompt blocks (vLLM's automatic prefix caching). Off by default: a
+        caller whose token ids are placeholders, where only their count is meant to matter, would get hits
+        between unrelated prompts. Callers whose ids carry content turn it on: the sim agent (real tokens)
+        and the simulator's fleet (`PromptIds` make ids share exactly what the trace shares).
+        `kv_events`: also key each prompt's index blocks and keep the cache's KV events for
+        `drain_kv_events` (needs `prefix_caching`); off, nothing is kept for a reader that does not exist."""
+        if kv_events and not prefix_caching:
+            raise ValueError("kv_events needs prefix_caching")
         excluded = tuple(sorted(t for t in ({eos_token_id} | special_token_ids) if 0 <= t < vocab_size))
         if vocab_size - len(excluded) <= 0:
             raise ValueError("vocab_size leaves no token ids after excluding eos and special tokens")
@@ -161,7 +166,7 @@ class SimEngine(EngineMigration):
         self._handoff = handoff
         self._record_batches = record_batches
         self._cache = PrefixCache() if prefix_caching else None
-        self._span = span_of(profile.block_size) if prefix_caching else 0
+        self._span = span_of(profile.block_size) if kv_events else 0  # 0: no index keys, no events
 
     @property
     def handoff(self) -> bool:
@@ -191,11 +196,12 @@ class SimEngine(EngineMigration):
         return self._cache
 
     def drain_kv_events(self) -> KvDelta:
-        """Index blocks stored and evicted since the last call (empty with prefix caching off)."""
+        """Index blocks stored and evicted since the last call (empty without `kv_events`)."""
         return self._cache.drain() if self._cache is not None else KvDelta()
 
     def kv_snapshot(self) -> KvDelta:
-        """Every index block cached now, as a resync batch (`cleared` first); pending events are dropped."""
+        """Every index block cached now (none without `kv_events`), as a resync batch (`cleared` first);
+        pending events are dropped."""
         return self._cache.snapshot() if self._cache is not None else KvDelta(cleared=True)
 
     @property
@@ -221,7 +227,8 @@ class SimEngine(EngineMigration):
             ids = request.prompt_token_ids
             ids = ids if isinstance(ids, tuple) else tuple(ids)
             seq.keys = block_keys(ids, self._profile.block_size)
-            seq.index_keys = block_keys(ids, INDEX_SPAN_TOKENS)
+            if self._span:
+                seq.index_keys = block_keys(ids, INDEX_SPAN_TOKENS)
         self._seqs[rid] = seq
         self._enqueue(seq)
         self._changes += 1
@@ -374,9 +381,9 @@ class SimEngine(EngineMigration):
         if cache is not None and seq.keys:
             # vLLM recomputes at least the prompt's last token, so a fully cached prompt gives up its last
             # block.
-            hits = cache.match(seq.keys[:(seq.num_tokens - 1) // bs])
+            hits = cache.match(seq.keys, (seq.num_tokens - 1) // bs)
             if hits:
-                taken = cache.evictable_among(seq.keys[:hits])
+                taken = cache.evictable_among(seq.keys, hits)
         computed = hits * bs
         left = seq.num_tokens - computed
         chunk = left if left < budget else budget
@@ -564,7 +571,7 @@ class SimEngine(EngineMigration):
         full = min(computed // self._profile.block_size, len(keys))
         for j in range(seq.hashed, full):
             end = j + 1
-            index_key = index_keys[end // span - 1] if end % span == 0 else None
+            index_key = index_keys[end // span - 1] if span and end % span == 0 else None
             if cache.insert(keys[j], index_key):
                 seq.held.append(keys[j])
         seq.hashed = full

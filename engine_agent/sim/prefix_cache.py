@@ -19,6 +19,8 @@ differences from vLLM, both deliberate:
 Events are kept at the gateway's index granularity: only engine blocks at the end of an index span
 (`switchyard.prefix.span_of`) carry an index key, and storing or evicting one is an event. A batch is netted:
 a key stored and removed between two drains is not reported, one removed and stored again is not either.
+An engine keeps events only when it is asked to (`SimEngine(kv_events=True)`): undrained, they would grow with
+every key ever evicted.
 """
 
 from __future__ import annotations
@@ -44,16 +46,14 @@ class KvDelta:
 class PrefixCache:
     """Cached prompt blocks by chain key (see the module docstring)."""
 
-    __slots__ = ("_refs", "_lru", "_anchor", "_delta", "_cleared", "index_keys_held", "hit_blocks_total",
-                 "queried_blocks_total", "evicted_total")
+    __slots__ = ("_refs", "_lru", "_anchor", "_delta", "hit_blocks_total", "queried_blocks_total",
+                 "evicted_total")
 
     def __init__(self) -> None:
         self._refs: dict[int, int] = {}  # key -> running requests holding the block (0: evictable)
         self._lru: OrderedDict[int, None] = OrderedDict()  # the evictable keys, least recently used first
         self._anchor: dict[int, int] = {}  # engine-block key -> its index-block key, at index span ends
         self._delta: dict[int, bool] = {}  # index key -> stored (True) / removed (False) since the last drain
-        self._cleared = False
-        self.index_keys_held = 0
         self.hit_blocks_total = 0  # blocks reused at admission
         self.queried_blocks_total = 0  # full prompt blocks looked up at admission
         self.evicted_total = 0
@@ -67,20 +67,20 @@ class PrefixCache:
     def cached_blocks(self) -> int:
         return len(self._refs)
 
-    def match(self, keys: Sequence[int]) -> int:
-        """How many of `keys`, from the first, are cached."""
+    def match(self, keys: Sequence[int], limit: int | None = None) -> int:
+        """How many of `keys` (of the first `limit`), from the first, are cached."""
         refs = self._refs
+        count = len(keys) if limit is None else min(limit, len(keys))
         n = 0
-        for key in keys:
-            if key not in refs:
-                break
+        while n < count and keys[n] in refs:
             n += 1
         return n
 
-    def evictable_among(self, keys: Sequence[int]) -> int:
-        """How many of these cached keys no request holds (acquiring them takes that many free blocks)."""
+    def evictable_among(self, keys: Sequence[int], count: int) -> int:
+        """How many of the first `count` keys (all cached) no request holds: acquiring them takes that many
+        free blocks."""
         refs = self._refs
-        return sum(1 for key in keys if refs[key] == 0)
+        return sum(1 for i in range(count) if refs[keys[i]] == 0)
 
     def acquire(self, keys: Sequence[int]) -> None:
         """A request reuses these cached blocks (its prefix hit)."""
@@ -101,7 +101,6 @@ class PrefixCache:
         refs[key] = 1
         if index_key is not None:
             self._anchor[key] = index_key
-            self.index_keys_held += 1
             self._note(index_key, True)
         return True
 
@@ -127,7 +126,6 @@ class PrefixCache:
             del refs[key]
             index_key = anchor.pop(key, None)
             if index_key is not None:
-                self.index_keys_held -= 1
                 self._note(index_key, False)
         self.evicted_total += n
         return n
@@ -141,26 +139,14 @@ class PrefixCache:
 
     def drain(self) -> KvDelta:
         """The events since the last drain (netted), and forget them."""
-        delta, cleared = self._delta, self._cleared
-        if not delta and not cleared:
+        delta = self._delta
+        if not delta:
             return KvDelta()
         self._delta = {}
-        self._cleared = False
-        return KvDelta(tuple(k for k, s in delta.items() if s), tuple(k for k, s in delta.items() if not s),
-                       cleared)
+        return KvDelta(tuple(k for k, s in delta.items() if s), tuple(k for k, s in delta.items() if not s))
 
     def snapshot(self) -> KvDelta:
         """Every index key held now, as a batch that clears what the receiver had (a resync); pending events
         are folded in and forgotten."""
         self._delta = {}
-        self._cleared = False
         return KvDelta(tuple(self._anchor.values()), (), True)
-
-    def clear_evictable(self) -> int:
-        """Drop every evictable block (vLLM's `reset_prefix_cache`, which also requires nothing running);
-        how many. Reported as removals, or as `cleared` when nothing is left."""
-        n = self.evict(len(self._lru))
-        if not self._refs:
-            self._delta = {}
-            self._cleared = True
-        return n

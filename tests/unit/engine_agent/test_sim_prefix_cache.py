@@ -16,7 +16,8 @@ BS = BASE.block_size
 
 
 def engine(**changes: object) -> SimEngine:
-    return SimEngine(dataclasses.replace(BASE, **changes), prefix_caching=True)  # type: ignore[arg-type]
+    return SimEngine(dataclasses.replace(BASE, **changes),  # type: ignore[arg-type]
+                     prefix_caching=True, kv_events=True)
 
 
 def prompt(tag: int, n: int) -> tuple[int, ...]:
