@@ -202,6 +202,20 @@ class QoEFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class KvDelta:
+    """Prefix-cache events: index-block keys (`switchyard.prefix`) stored and removed since the previous
+    drain; `cleared`: everything before this batch is gone (a reset, or the first batch of a resync, which
+    then lists every key the engine holds)."""
+
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """One reading of an engine's dynamic state, taken at `timestamp_s` on the engine's clock."""
 

@@ -3,8 +3,8 @@
 Owns: a `GenerateRequest` into a `BackendRequest` (tokenizing the prompt: ids, text or chat template, and
 validating it and the output budget against the context limit: `ValueError` with the client-facing message),
 the stream's `delta` / `finished` events, the `EngineState` pushed by WatchState (with a STAR round's
-predictions and future load when the service passes one; the QoE fit, when there is one, and the measured KV
-pull throughput in every push), GetInfo's `EngineInfo`,
+predictions and future load when the service passes one, and the prefix-cache events it passes; the QoE fit,
+when there is one, and the measured KV pull throughput in every push), GetInfo's `EngineInfo`,
 the wire's "0 = not given" fields into None and back (target output tokens, SLOs, the WatchState interval,
 the hidden-state interval, the ticket's cut time) and milliseconds into seconds, and the wire ticket
 (`ticket_to_proto`: the domain ticket plus the original request, no prompt; `ticket_from_proto`:
@@ -21,6 +21,7 @@ from engine_agent.domain import (
     BackendRequest,
     EngineStatic,
     EngineStats,
+    KvDelta,
     MigrationTicket,
     RequestId,
     SamplingSpec,
@@ -158,11 +159,14 @@ def engine_state(
     draining: bool,
     started: bool,
     star: StarRound | None = None,
+    kv_events: KvDelta | None = None,
+    kv_span_tokens: int = 0,
 ) -> pb.EngineState:
     """The WatchState push: the backend's stats, `seq`, and the service's own flags on top (ready only once
     the backend has started, and not while draining); with `star` (a push that follows a new STAR round), the
     round's `predictions` and `future_load` (otherwise both stay empty / unset). `qoe` is set once the backend
-    has a fit (CascadeInfer's online D), unset before."""
+    has a fit (CascadeInfer's online D), unset before. `kv_events`: the prefix-cache events this push carries
+    (None: none, `kv_events` stays unset), keyed over `kv_span_tokens`-token index blocks."""
     lens = stats.lens
     state = pb.EngineState(
         identity=identity,
@@ -211,6 +215,12 @@ def engine_state(
         future.round = star.round
         future.tokens_per_round = star.round_tokens
         future.load.extend(star.future_load)
+    if kv_events is not None:
+        kv = state.kv_events
+        kv.stored.extend(kv_events.stored)
+        kv.removed.extend(kv_events.removed)
+        kv.cleared = kv_events.cleared
+        kv.span_tokens = kv_span_tokens
     return state
 
 

@@ -5,7 +5,9 @@ Owns: the RPC flow: Generate (validate, admit, stream) and Session (the same str
 (`engine_agent.output_text`: incremental detokenization, stop-string / stop-token-id semantics, the text's
 hand-over at a migration) and ending the stream at a stop string, usage counted from what was streamed, the
 WatchState push (interval and prompt on change, `seq` increasing across the process; STAR's round, from
-`engine_agent.star.live`, in each watcher's first push after the round, pushed at once), GetInfo, Abort,
+`engine_agent.star.live`, in each watcher's first push after the round, pushed at once; the prefix cache's
+KV events, when the backend has the capability: drained into the one `engine_agent.kv_journal` at each push
+and sent to each watcher from its own cursor, a resync first), GetInfo, Abort,
 MigrateOut / MigrateIn (the original request of each in-flight stream for the ticket, waiting for the source
 stream to end at the cut; UNIMPLEMENTED, naming the capability, when the backend's `Capabilities` lack
 migration), refusing new Generate / MigrateIn calls while draining, and telling the `on_stream_end` hook how
@@ -27,17 +29,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine_agent.backends.base import MIGRATION, Capabilities, EngineBackend, Migrator
+from engine_agent.backends.base import MIGRATION, Capabilities, EngineBackend, KvEventSource, Migrator
 from engine_agent.domain import (
     BackendEvent,
     BackendRequest,
     FinishEvent,
+    KvDelta,
     MigratedEvent,
     MigrationRefused,
     MigrationTicket,
     RequestId,
     request_from_ticket,
 )
+from engine_agent.kv_journal import KvJournal
 from engine_agent.output_text import OutputText
 from engine_agent.proto_codec import (
     delta_event,
@@ -53,6 +57,7 @@ from engine_agent.session import AgentSession, StreamRefused
 from engine_agent.star.live import RunningRequest, StarLive
 from engine_agent.tokenization import Tokenizer
 from switchyard.clock import Clock
+from switchyard.prefix import INDEX_SPAN_TOKENS
 from switchyard.proto_gen import engine_agent_pb2 as pb
 from switchyard.proto_gen import engine_agent_pb2_grpc as pb_grpc
 
@@ -164,6 +169,7 @@ class AgentService(pb_grpc.EngineAgentServicer):
         self._requests: dict[RequestId, _InFlight] = {}
         self._on_stream_end = on_stream_end
         self._star = star
+        self._kv_journal: KvJournal | None = None  # made at the first watch (the backend has started)
         static = backend.static
         self._identity = pb.EngineIdentity(
             engine_id=static.engine_id,
@@ -351,6 +357,9 @@ class AgentService(pb_grpc.EngineAgentServicer):
         backend = self._backend
         star = self._star
         sent_round = 0  # the last STAR round this watcher was sent
+        kv_source = self._capabilities.kv_event_source
+        kv_cursor: int | None = None  # the last journal batch this watcher was sent (None: a resync is due)
+        span_tokens = INDEX_SPAN_TOKENS
         version = await backend.wait_for_change(-1, 0.0)
         while True:
             latest = None if star is None else star.latest
@@ -358,6 +367,9 @@ class AgentService(pb_grpc.EngineAgentServicer):
                 sent_round = latest.round
             else:
                 latest = None
+            kv = None
+            if kv_source is not None:
+                kv_cursor, kv = self._kv_since(kv_source, kv_cursor)
             yield engine_state(
                 backend.stats(),
                 identity=self._identity,
@@ -365,6 +377,8 @@ class AgentService(pb_grpc.EngineAgentServicer):
                 draining=self._draining,
                 started=self._started,
                 star=latest,
+                kv_events=kv,
+                kv_span_tokens=span_tokens,
             )
             deadline = self._clock.now() + interval_s
             while (remaining := deadline - self._clock.now()) > 0:
@@ -379,6 +393,15 @@ class AgentService(pb_grpc.EngineAgentServicer):
                 if current > version:
                     version = current
                     break
+
+    def _kv_since(self, source: KvEventSource, cursor: int | None) -> tuple[int, KvDelta | None]:
+        """Drain the backend's KV events into the journal; what a watcher at `cursor` has not been sent."""
+        journal = self._kv_journal
+        if journal is None:
+            journal = self._kv_journal = KvJournal(source.kv_snapshot().stored)
+        else:
+            journal.append(source.drain_kv_events())
+        return journal.since(cursor)
 
     async def _wait_change_or_round(
         self, star: StarLive, version: int, timeout_s: float, sent_round: int

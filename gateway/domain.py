@@ -261,6 +261,12 @@ class ClusterSnapshot:
         return tuple(map(engines.__getitem__, positions))
 
 
+# Where a policy's `prefix_hits` come from (its `prefix_source`; `ClusterState.prefix_match`): the engines'
+# own KV events, or what this gateway sent where.
+PREFIX_EVENTS = "events"
+PREFIX_SENT = "sent"
+
+
 @dataclass(frozen=True, slots=True)
 class RequestFeatures:
     """One request as a policy sees it. Time and randomness are data here, never read by the policy."""
@@ -283,6 +289,11 @@ class RequestFeatures:
     # A follow (resuming a migrated request): the output tokens it already holds KV for, so its sequence is
     # prompt_tokens + resumed_tokens long; 0 for a new request.
     resumed_tokens: int = 0
+    # KV-cache-aware routing, filled only for a policy that reads them (its `prefix_source`): the prompt's
+    # index-block keys (`switchyard.prefix`, 256-token blocks; empty when the gateway has no token ids) and
+    # how many of them, from the first, each engine holds (engines holding none are absent).
+    prefix_keys: tuple[int, ...] = ()
+    prefix_hits: Mapping[EngineId, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,6 +406,18 @@ class EngineRequestError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class KvEvents:
+    """An engine's prefix-cache events in one report: index-block keys (`switchyard.prefix`, chained over
+    `span_tokens`-token blocks) stored and evicted since the previous report of the stream; `cleared`: forget
+    what the engine held before (a resync: `stored` lists all it holds)."""
+
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    cleared: bool = False
+    span_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineReport:
     """One state report, transport-neutral (the cluster store turns it into an `EngineView`)."""
 
@@ -422,6 +445,8 @@ class EngineReport:
     combo: str = ""  # the GPU combo the engine belongs to (CAUCHY), from its identity; "" = none
     qoe: QoEReport | None = None  # CascadeInfer: the agent's online QoE fit (None: none yet)
     transfer_bytes_per_s: float = 0.0  # the agent's measured KV pull throughput (0 = none yet)
+    # Prefix-cache events since the stream's previous report (None: none new, or the engine sends none).
+    kv_events: KvEvents | None = None
 
 
 @dataclass(frozen=True, slots=True)

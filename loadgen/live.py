@@ -223,10 +223,13 @@ async def send_one(
         return Outcome(request_id=request.request_id, success=False, prompt_tokens=prompt_tokens,
                        arrival_s=arrival_s, start_s=start - run_start, error=error)
     output_tokens = usage.get("completion_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Outcome(
         request_id=request.request_id, success=True, prompt_tokens=prompt_tokens,
         output_tokens=int(output_tokens) if output_tokens is not None else len(itl_s) + 1,
         arrival_s=arrival_s, start_s=start - run_start, ttft_s=ttft_s, itl_s=tuple(itl_s), e2e_s=end - start,
+        cached_tokens=int(cached) if isinstance(cached, int) else None,
     )
 
 

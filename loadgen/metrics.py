@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -44,6 +45,7 @@ class Outcome:
     error: str | None = None
     engine_id: str | None = None
     migrations: int | None = None  # times its stream moved to another engine; None: not known (live runs)
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache; None: not reported
 
     def __post_init__(self) -> None:
         if self.success and (self.ttft_s is None or self.e2e_s is None):
@@ -159,6 +161,10 @@ class Summary:
     slo_attainment: float | None = None
     slo: Slo | None = field(default=None)
     mean_migrations: float | None = None  # per completed request that records them (simulated runs)
+    # Prefix caching: cached prompt tokens / prompt tokens over the completed requests that report them (None:
+    # none does), and the share of completed requests served by the busiest engine (None: engines unknown).
+    prefix_hit_rate: float | None = None
+    max_engine_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -181,6 +187,8 @@ class Summary:
                 out[f"{percentile_label(p)}_{name}_ms"] = value
         out["slo_attainment"] = self.slo_attainment
         out["mean_migrations"] = self.mean_migrations
+        out["prefix_hit_rate"] = self.prefix_hit_rate
+        out["max_engine_share"] = self.max_engine_share
         out["slo"] = None if self.slo is None else {
             "ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "e2e_ms": self.slo.e2e_ms}
         return out
@@ -207,6 +215,9 @@ def summarize(
     total_output = sum(o.output_tokens for o in done)
     good = sum(1 for o in outcomes if slo is not None and slo.is_met(o))
     moves = [o.migrations for o in done if o.migrations is not None]
+    reporting = [o for o in done if o.cached_tokens is not None]
+    reported_prompt = sum(o.prompt_tokens for o in reporting)
+    served = Counter(o.engine_id for o in done if o.engine_id is not None)
     return Summary(
         duration_s=duration_s,
         completed=len(done),
@@ -224,4 +235,7 @@ def summarize(
         slo_attainment=None if slo is None else (good / len(outcomes) if outcomes else 0.0),
         slo=slo,
         mean_migrations=sum(moves) / len(moves) if moves else None,
+        prefix_hit_rate=(sum(o.cached_tokens or 0 for o in reporting) / reported_prompt
+                         if reported_prompt else None),
+        max_engine_share=max(served.values()) / sum(served.values()) if served else None,
     )

@@ -1,7 +1,8 @@
 """The `EngineBackend` protocol and the optional capabilities a backend may add: what the agent asks of it.
 
 Owns: the core protocol every backend implements (`EngineBackend`), the optional capability protocols
-(`Migrator`: moving running requests between engines; `HiddenStateSource`: the hidden-state tap), and
+(`Migrator`: moving running requests between engines; `HiddenStateSource`: the hidden-state tap;
+`KvEventSource`: the prefix cache's stored / evicted blocks, for KV-cache-aware routing), and
 `Capabilities`: which of them one backend offers, decided once at start-up (the service refuses the RPCs of an
 absent capability instead of calling into the backend). The request, event and state types they speak live in
 `engine_agent.domain`.
@@ -24,6 +25,7 @@ from engine_agent.domain import (
     EngineStatic,
     EngineStats,
     HiddenStateBatch,
+    KvDelta,
     MigrationStats,
     MigrationTicket,
     RequestId,
@@ -31,6 +33,7 @@ from engine_agent.domain import (
 
 MIGRATION = "migration"
 HIDDEN_STATES = "hidden-states"
+KV_EVENTS = "kv-events"
 
 
 class EngineBackend(Protocol):
@@ -114,6 +117,22 @@ class HiddenStateSource(Protocol):
         ...
 
 
+@runtime_checkable
+class KvEventSource(Protocol):
+    """Optional capability: the engine's prefix-cache events at the gateway's index granularity
+    (`switchyard.prefix.INDEX_SPAN_TOKENS`-token blocks keyed by `block_keys`), from the engine's own cache,
+    never guessed from what was sent to it."""
+
+    def drain_kv_events(self) -> KvDelta:
+        """Index blocks stored and evicted since the previous call, netted (one reader: the agent's
+        journal)."""
+        ...
+
+    def kv_snapshot(self) -> KvDelta:
+        """Every index block the engine holds now (`cleared`): the journal's starting point."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """The optional capabilities one backend offers, decided once at start-up (`of`).
@@ -124,6 +143,7 @@ class Capabilities:
 
     migrator: Migrator | None = None
     hidden_state_source: HiddenStateSource | None = None
+    kv_event_source: KvEventSource | None = None
     backend: str = ""
     switched_off: Mapping[str, str] = field(default_factory=dict)
 
@@ -138,6 +158,7 @@ class Capabilities:
             hidden_state_source=(
                 backend if isinstance(backend, HiddenStateSource) and HIDDEN_STATES not in off else None
             ),
+            kv_event_source=backend if isinstance(backend, KvEventSource) and KV_EVENTS not in off else None,
             backend=backend.static.backend,
             switched_off=off,
         )
@@ -145,7 +166,11 @@ class Capabilities:
     @property
     def names(self) -> tuple[str, ...]:
         """The capabilities present, for the start-up log."""
-        present = ((MIGRATION, self.migrator), (HIDDEN_STATES, self.hidden_state_source))
+        present = (
+            (MIGRATION, self.migrator),
+            (HIDDEN_STATES, self.hidden_state_source),
+            (KV_EVENTS, self.kv_event_source),
+        )
         return tuple(name for name, capability in present if capability is not None)
 
     def missing(self, name: str) -> str:

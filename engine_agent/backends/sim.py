@@ -72,6 +72,7 @@ from engine_agent.domain import (
     EngineStats,
     FinishEvent,
     HiddenStateBatch,
+    KvDelta,
     MigratedEvent,
     MigrationRefused,
     MigrationStats,
@@ -139,7 +140,7 @@ class _Stream:
 
 class SimBackend:
     """`EngineBackend` over `SimEngine` in real time, with the `Migrator` and `HiddenStateSource`
-    capabilities; one instance per agent process."""
+    capabilities, and `KvEventSource` when prefix caching is on; one instance per agent process."""
 
     def __init__(
         self,
@@ -179,6 +180,7 @@ class SimBackend:
             handoff=role == PREFILL_ROLE,
             record_batches=True,  # CascadeInfer's batch loads (`_track_qoe`)
             prefix_caching=prefix_caching,
+            kv_events=prefix_caching,  # the agent's journal drains them at every WatchState push
         )
         self._static = EngineStatic(
             engine_id=engine_id,
@@ -430,6 +432,12 @@ class SimBackend:
         stream.migration = None
 
     # -- hidden-state tap --------------------------------------------------------------------------
+
+    def drain_kv_events(self) -> KvDelta:
+        return self._engine.drain_kv_events()
+
+    def kv_snapshot(self) -> KvDelta:
+        return self._engine.kv_snapshot()
 
     def hidden_states(self) -> AsyncIterator[HiddenStateBatch]:
         return self._tap.subscribe()

@@ -48,6 +48,7 @@ from engine_agent.domain import (
     EngineStats,
     FinishEvent,
     FinishReason,
+    KvDelta,
     LensFigures,
     RequestId,
     SamplingSpec,
@@ -56,7 +57,7 @@ from engine_agent.domain import (
 )
 from engine_agent.sim.lens_adapter import SimLens
 from engine_agent.sim.migration import EngineMigration, MigrationCut
-from engine_agent.sim.prefix_cache import KvDelta, PrefixCache
+from engine_agent.sim.prefix_cache import PrefixCache
 from engine_agent.sim.sequence import DONE, INCOMING, RUNNING, WAITING, Seq
 from engine_agent.sim.sequence import LCG_INC as _LCG_INC
 from engine_agent.sim.sequence import LCG_MUL as _LCG_MUL

@@ -1,8 +1,8 @@
 """The simulated engine's prefix cache: which KV blocks hold a computed prompt prefix, by chain key.
 
 Owns: `PrefixCache` (reference counts of cached blocks, the least-recently-used order of the evictable ones,
-eviction, and the KV events an agent forwards: index blocks stored and removed since the last drain) and
-`KvDelta` (one drained batch of those events).
+eviction, and the KV events an agent forwards: index blocks stored and removed since the last drain, as
+`engine_agent.domain.KvDelta` batches).
 Must not: schedule, time, allocate blocks (the engine's free count is `SimEngine`'s) or read clocks.
 
 vLLM's scheme (`vllm/v1/core/kv_cache_utils.py`): a full block of a prompt is cached under its chain key
@@ -27,20 +27,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class KvDelta:
-    """Index-block keys stored and removed since the previous drain; `cleared`: everything before this batch
-    is gone (a reset, or the first batch of a resync, which then lists every key the engine holds)."""
-
-    stored: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()
-    cleared: bool = False
-
-    def __bool__(self) -> bool:
-        return bool(self.stored or self.removed or self.cleared)
+from engine_agent.domain import KvDelta
 
 
 class PrefixCache:

@@ -2,7 +2,9 @@
 
 Owns: `ClusterState`: the engines (added by id), their descriptions, connection flags and last reports, the
 optimistic in-flight accounting (`note_dispatch` / `note_finish`), the session table, the windowed latency
-figures (`note_latency`), and `snapshot(now_s)`,
+figures (`note_latency`), the two prefix indexes (`gateway.cluster.prefix_index`: the one the agents' KV
+events keep, resynced per stream and dropped on disconnect, and the one this gateway's dispatches keep;
+`prefix_match` reads them, see its docstring), and `snapshot(now_s)`,
 the immutable `ClusterSnapshot` policies read (cached while nothing changed). The live gateway's
 `ClusterStore` drives it from its watch tasks and its clock; the discrete-event simulator drives it in virtual
 time (invariant I1: both give policies the same snapshots for the same events).
@@ -45,13 +47,16 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import cast
 
 from gateway.cluster.health import EngineHealth, FailureReason, OutlierParams
+from gateway.cluster.prefix_index import DEFAULT_MAX_KEYS, PrefixIndex
 from gateway.domain import (
+    PREFIX_EVENTS,
+    PREFIX_SENT,
     ClusterSnapshot,
     EngineDescription,
     EngineId,
@@ -63,12 +68,15 @@ from gateway.domain import (
     RouteTally,
     StageLayout,
 )
+from switchyard.prefix import INDEX_SPAN_TOKENS
 
 # `ClusterSnapshot.membership` values, unique in the process (a policy shared by several cluster states, as
 # the simulator's deciders share theirs, must never see one value for two memberships).
 _MEMBERSHIP_EPOCHS = itertools.count()
 DEFAULT_BLOCK_SIZE = 16  # assumed until an engine describes itself
 DEFAULT_LATENCY_WINDOW_S = 2.0  # NexusSched §7.4's latency-based baseline averages the last 2 s
+# Index blocks the sent index keeps per engine whose KV capacity is not known yet (no report).
+DEFAULT_SENT_CAPACITY_BLOCKS = 4096
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: one record per dispatch, even for a repeated id
@@ -105,6 +113,7 @@ class _Engine:
     # STAR: the last prediction round's predictions and future-load summary (reports carry them per round).
     predictions: tuple[RequestPrediction, ...] = ()
     future_load: FutureLoad | None = None
+    kv_events: bool = False  # its current stream sends prefix-cache events (the reported index holds them)
     index: int = -1  # position in the engines' id order; -1 once removed
     dirty: bool = True  # its view must be rebuilt at the next snapshot
     wake_s: float = math.inf  # when its view changes by time alone (see `_boundary_s`)
@@ -131,10 +140,12 @@ class ClusterState:
         snapshot_resolution_s: float = 0.005,
         latency_window_s: float = DEFAULT_LATENCY_WINDOW_S,
         outlier: OutlierParams | None = None,
+        prefix_max_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
         """A cached snapshot is reused while nothing changed, no engine crossed its staleness boundary, no
         latency sample left its window and it is younger than `snapshot_resolution_s` (so `taken_at_s` /
-        `ClusterSnapshot.state_age_s` lag `now_s` by at most that).
+        `ClusterSnapshot.state_age_s` lag `now_s` by at most that). `prefix_max_keys` bounds each of the two
+        prefix indexes (the reported and the sent one).
         """
         if latency_window_s <= 0:
             raise ValueError(f"latency_window_s must be > 0, got {latency_window_s}")
@@ -162,6 +173,11 @@ class ClusterState:
         self._stages: Mapping[str, StageLayout] = MappingProxyType({})
         # A new value when the set of engines or one's model/readiness/ejection/combo/profile changes.
         self._membership = next(_MEMBERSHIP_EPOCHS)
+        # KV-cache-aware routing: index-block key -> engines, from the agents' KV events (reported) and from
+        # this gateway's dispatches (sent: an LRU per engine sized to its KV capacity).
+        self._reported = PrefixIndex(prefix_max_keys)
+        self._sent = PrefixIndex(prefix_max_keys)
+        self.kv_events_ignored = 0  # event batches keyed over another span than this gateway's
 
     # ---- membership and lifecycle events -----------------------------------------------------------------
 
@@ -192,6 +208,8 @@ class ClusterState:
     def remove_engine(self, engine_id: EngineId) -> None:
         """Forget an engine and its accounting (an explicit act); KeyError when unknown."""
         self._engines.pop(engine_id).index = -1
+        self._reported.remove_engine(engine_id)
+        self._sent.remove_engine(engine_id)
         self._reorder()
 
     def on_describe(self, engine_id: EngineId, description: EngineDescription) -> None:
@@ -211,6 +229,9 @@ class ClusterState:
         state.connected = False
         state.anchor_engine_ts_s = None
         state.predictions, state.future_load = (), None  # a reconnected agent starts its rounds anew
+        if state.kv_events:  # the reconnected stream resyncs (its first events are `cleared`)
+            state.kv_events = False
+            self._reported.clear(engine_id)
         self._touch(state)
 
     def on_report(self, engine_id: EngineId, report: EngineReport, received_at_s: float) -> None:
@@ -225,6 +246,13 @@ class ClusterState:
         if report.future_load is not None:  # a new prediction round (STAR): kept until the next one
             state.predictions = report.predictions
             state.future_load = report.future_load
+        kv = report.kv_events
+        if kv is not None:
+            if kv.span_tokens != INDEX_SPAN_TOKENS:  # keys this gateway cannot compute: never matched
+                self.kv_events_ignored += 1
+            elif kv.cleared or state.kv_events:  # a stream's events count from its resync on
+                state.kv_events = True
+                self._reported.apply(engine_id, kv.stored, kv.removed, kv.cleared)
         if state.anchor_engine_ts_s is None or report.engine_timestamp_s > state.anchor_engine_ts_s:
             engine_ts_s = report.engine_timestamp_s
             if state.unreported:
@@ -252,11 +280,12 @@ class ClusterState:
         session_id: str,
         now_s: float,
         route: RouteTag | None = None,
+        prefix_keys: Sequence[int] = (),
     ) -> None:
         """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there.
         `route`: a weighted policy's tag for the pick; it counts for its group, and weights other than the
         model's current ones start the model's counts anew ("the dispatch counts since the last weight
-        change", `RouteTally`)."""
+        change", `RouteTally`). `prefix_keys`: the prompt's index-block keys, recorded in the sent index."""
         state = self._engines.get(engine_id)
         if state is None:
             raise KeyError(f"unknown engine {engine_id!r}")
@@ -278,7 +307,18 @@ class ClusterState:
             self._sessions[session_id] = (engine_id, now_s)
             self._sessions.move_to_end(session_id)
             self.prune_sessions(now_s)
+        if prefix_keys:
+            self._sent.record(engine_id, prefix_keys, self._capacity_blocks(state))
         self._touch(state)
+
+    @staticmethod
+    def _capacity_blocks(state: _Engine) -> int:
+        """The engine's KV capacity in index blocks (what the sent index keeps for it)."""
+        desc, report = state.description, state.report
+        if report is None or report.kv_blocks_total <= 0:
+            return DEFAULT_SENT_CAPACITY_BLOCKS
+        block_size = desc.block_size if desc is not None and desc.block_size > 0 else DEFAULT_BLOCK_SIZE
+        return max(1, report.kv_blocks_total * block_size // INDEX_SPAN_TOKENS)
 
     def _tally(self, route: RouteTag) -> None:
         current = self._routes.get(route.model)
@@ -377,6 +417,35 @@ class ClusterState:
         if entry is None or now_s - entry[1] > self._session_ttl_s:
             return None, 0.0
         return entry
+
+    def prefix_match(self, keys: Sequence[int], source: str, now_s: float) -> dict[EngineId, int]:
+        """How many of `keys` (a prompt's index-block keys, from the first) each engine holds: engine ->
+        count, engines with none left out. `source` `PREFIX_SENT`: what this gateway sent where;
+        `PREFIX_EVENTS`: the engines' KV events, for engines whose stream sends them and whose report is
+        fresh, and the sent index for the others (stale, or sending no events: like the rest of a stale
+        engine's state, local accounting stands in for the report)."""
+        if not keys:
+            return {}
+        if source == PREFIX_SENT:
+            return self._sent.match(keys, self._engines)
+        if source != PREFIX_EVENTS:
+            raise ValueError(f"unknown prefix source {source!r}")
+        fresh: list[EngineId] = []
+        other: list[EngineId] = []
+        stale_after_s = self._stale_after_s
+        for state in self._order:
+            if state.kv_events and now_s - state.report_received_s <= stale_after_s:
+                fresh.append(state.engine_id)
+            else:
+                other.append(state.engine_id)
+        out = self._reported.match(keys, fresh) if fresh else {}
+        if other:
+            out.update(self._sent.match(keys, other))
+        return out
+
+    def prefix_index_sizes(self) -> tuple[int, int, int]:
+        """(keys in the reported index, keys in the sent index, keys dropped at the bound by both)."""
+        return len(self._reported), len(self._sent), self._reported.dropped + self._sent.dropped
 
     def prune_sessions(self, now_s: float) -> int:
         """Drop sessions unused for over the TTL and the oldest beyond `max_sessions`; returns how many."""

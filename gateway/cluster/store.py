@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -192,10 +192,12 @@ class ClusterStore:
         session_id: str,
         now_s: float,
         route: RouteTag | None = None,
+        prefix_keys: Sequence[int] = (),
     ) -> None:
-        """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there, and a
-        weighted policy's pick (`route`, see `ClusterState.note_dispatch`)."""
-        self._state.note_dispatch(engine_id, request_id, prompt_tokens, max_tokens, session_id, now_s, route)
+        """Count a request sent to `engine_id` until `note_finish`; record its session (if any) there, a
+        weighted policy's pick (`route`) and the prompt's prefix keys (see `ClusterState.note_dispatch`)."""
+        self._state.note_dispatch(engine_id, request_id, prompt_tokens, max_tokens, session_id, now_s, route,
+                                  prefix_keys)
 
     def note_finish(self, engine_id: EngineId, request_id: str) -> None:
         """Forget a dispatched request (its oldest dispatch if the id was reused); unknown ids are ignored."""
@@ -217,6 +219,10 @@ class ClusterStore:
     def session_lookup(self, session_id: str) -> tuple[EngineId | None, float]:
         """(engine that last served the session, when) or (None, 0.0) when unknown or older than the TTL."""
         return self._state.session_lookup(session_id, self._clock.now())
+
+    def prefix_match(self, keys: Sequence[int], source: str) -> dict[EngineId, int]:
+        """Index blocks of `keys` each engine holds (`ClusterState.prefix_match`, at the clock's now)."""
+        return self._state.prefix_match(keys, source, self._clock.now())
 
     def prune_sessions(self, now_s: float) -> int:
         """Drop sessions unused for over the TTL and the oldest beyond `max_sessions`; returns how many."""

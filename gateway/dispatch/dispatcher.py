@@ -34,7 +34,7 @@ from typing import Protocol
 
 from gateway.cluster.health import FailureReason
 from gateway.dispatch.cancel import IDLE_STREAM_CANCEL
-from gateway.dispatch.features import RoutingHints
+from gateway.dispatch.features import RoutingHints, prefix_keys_of
 from gateway.dispatch.life import (
     DEFAULT_MAX_ATTEMPTS,
     ChoiceLife,
@@ -68,7 +68,7 @@ from gateway.domain import (
 )
 from gateway.engines.base import EngineClient, MigratingClient, RecomputingClient
 from gateway.observability.metrics import GatewayMetrics
-from gateway.policies.base import Policy
+from gateway.policies.base import Policy, prefix_source
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ class RoutingState(DispatchLedger, OutcomeLedger, Protocol):
     def note_latency(self, engine_id: EngineId, ttft_s: float, e2e_s: float, now_s: float) -> None: ...
 
     def session_lookup(self, session_id: str) -> tuple[EngineId | None, float]: ...
+
+    def prefix_match(self, keys: Sequence[int], source: str) -> dict[EngineId, int]: ...
 
     def client(self, engine_id: EngineId) -> EngineClient:
         """The client of an engine in the snapshot (KeyError when unknown)."""
@@ -227,16 +229,20 @@ class Dispatcher:
         session_last_used_s = 0.0
         if hints.session_id:
             session_engine, session_last_used_s = self._state.session_lookup(hints.session_id)
+        policy_name, policy = self._policies.resolve(hints.policy_name)
+        source = prefix_source(policy)
+        prefix_keys = prefix_keys_of(request) if source is not None else ()
         life = ChoiceLife(
             request,
             hints,
             session_engine=session_engine,
             session_last_used_s=session_last_used_s,
+            prefix_keys=prefix_keys,
+            prefix_hits=self._state.prefix_match(prefix_keys, source) if prefix_keys and source else None,
             max_attempts=self._max_attempts,
             budget=self._budget,
             recompute=True,
         )
-        policy_name, policy = self._policies.resolve(hints.policy_name)
         state, clock, metrics = self._state, self._clock, self._metrics
         decisions = metrics.routing_decisions
         watch = self.stall_watch

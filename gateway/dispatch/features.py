@@ -1,7 +1,8 @@
 """What the dispatcher tells a policy about a request: the prompt-size estimate and the `RequestFeatures`
 build.
 
-Owns: `RoutingHints` (what the API layer read from headers), `estimate_prompt_tokens`, `build_features`.
+Owns: `RoutingHints` (what the API layer read from headers), `estimate_prompt_tokens`, `prefix_keys_of` (a
+prompt's index-block keys, for KV-cache-aware policies), `build_features`.
 The gateway never tokenizes (the engine agent owns its tokenizer and reports exact counts); for routing it
 estimates ceil(UTF-8 bytes / 4) per text, plus a few tokens of chat-template overhead per message.
 Must not: read clocks or randomness itself (both come in as arguments), do I/O, or import aiohttp.
@@ -9,9 +10,11 @@ Must not: read clocks or randomness itself (both come in as arguments), do I/O, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.domain import EngineId, EngineRequest, RequestFeatures
+from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys
 
 BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4  # role header and separators of a typical chat template
@@ -52,6 +55,15 @@ def estimate_prompt_tokens(request: EngineRequest) -> int:
     return 0
 
 
+def prefix_keys_of(request: EngineRequest) -> tuple[int, ...]:
+    """The prompt's index-block keys (`switchyard.prefix`), for a request given as token ids; () for text and
+    chat prompts, which this gateway does not tokenize (their prefixes are not matched)."""
+    ids = request.prompt_token_ids
+    if not ids:
+        return ()
+    return tuple(block_keys(ids, INDEX_SPAN_TOKENS))
+
+
 def build_features(
     request: EngineRequest,
     hints: RoutingHints,
@@ -64,6 +76,8 @@ def build_features(
     session_last_used_s: float,
     exclude: frozenset[EngineId],
     resumed_tokens: int = 0,
+    prefix_keys: tuple[int, ...] = (),
+    prefix_hits: Mapping[EngineId, int] | None = None,
 ) -> RequestFeatures:
     return RequestFeatures(
         request_id=request.request_id,
@@ -81,4 +95,6 @@ def build_features(
         priority=hints.priority,
         exclude=exclude,
         resumed_tokens=resumed_tokens,
+        prefix_keys=prefix_keys,
+        prefix_hits=prefix_hits if prefix_hits is not None else {},
     )

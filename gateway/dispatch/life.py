@@ -58,7 +58,9 @@ so the simulator runs them too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 from gateway.cluster.health import FailureReason
@@ -190,6 +192,7 @@ class DispatchLedger(Protocol):
         session_id: str,
         now_s: float,
         route: RouteTag | None = None,
+        prefix_keys: Sequence[int] = (),
     ) -> None: ...
 
 
@@ -213,11 +216,12 @@ def record_dispatch(ledger: DispatchLedger, dispatch: Dispatch) -> None:
     f = dispatch.features
     ledger.note_dispatch(
         dispatch.engine_id, f.request_id, f.prompt_tokens, f.max_tokens, f.session_id, f.now_s,
-        route=dispatch.route,
+        route=dispatch.route, prefix_keys=f.prefix_keys,
     )
 
 
 _NO_ENGINES: frozenset[EngineId] = frozenset()
+_NO_HITS: Mapping[EngineId, int] = MappingProxyType({})
 _ENTRY_MEMO: dict[tuple[int, str], frozenset[EngineId]] = {}
 _ENTRY_MEMO_SIZE = 64
 
@@ -274,6 +278,8 @@ class ChoiceLife:
         "max_attempts",
         "session_engine",
         "session_last_used_s",
+        "prefix_keys",
+        "prefix_hits",
         "budget",
         "tried",
         "decisions",
@@ -301,13 +307,17 @@ class ChoiceLife:
         *,
         session_engine: EngineId | None = None,
         session_last_used_s: float = 0.0,
+        prefix_keys: tuple[int, ...] = (),
+        prefix_hits: Mapping[EngineId, int] | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         budget: RetryBudget | None = None,
         max_follows: int = DEFAULT_MAX_FOLLOWS,
         recompute: bool = False,
     ) -> None:
         """`budget`: the executor's gateway-wide retry budget (None: retries bounded by `max_attempts` only,
-        without backoff). `recompute`: the executor can resume without KV (see the module docstring)."""
+        without backoff). `recompute`: the executor can resume without KV (see the module docstring).
+        `prefix_keys` / `prefix_hits`: the prompt's index-block keys and how many of them each engine holds,
+        looked up by the executor when the policy reads them (`gateway.dispatch.features.prefix_lookup`)."""
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         self.request = request
@@ -316,6 +326,8 @@ class ChoiceLife:
         self.max_attempts = max_attempts
         self.session_engine = session_engine
         self.session_last_used_s = session_last_used_s
+        self.prefix_keys = prefix_keys
+        self.prefix_hits: Mapping[EngineId, int] = prefix_hits if prefix_hits is not None else _NO_HITS
         self.budget = budget
         self.tried: list[EngineId] = []
         self.decisions: list[Decision] = []
@@ -394,6 +406,8 @@ class ChoiceLife:
             session_last_used_s=0.0 if follow else self.session_last_used_s,
             exclude=exclude,
             resumed_tokens=self.ticket.output_tokens if follow and self.ticket is not None else 0,
+            prefix_keys=self.prefix_keys,
+            prefix_hits=self.prefix_hits,
         )
 
     def _give_up(self, why: str = "") -> GiveUp:

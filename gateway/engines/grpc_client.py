@@ -44,6 +44,7 @@ from gateway.domain import (
     EngineUnavailable,
     Finished,
     FutureLoad,
+    KvEvents,
     LensState,
     Migrated,
     MigrationRefusedError,
@@ -215,7 +216,16 @@ def from_engine_state(state: pb.EngineState) -> EngineReport:
         ),
         qoe=_qoe_report(state),
         transfer_bytes_per_s=state.transfer_bytes_per_s,
+        kv_events=_kv_events(state),
     )
+
+
+def _kv_events(state: pb.EngineState) -> KvEvents | None:
+    if not state.HasField("kv_events"):
+        return None
+    kv = state.kv_events
+    return KvEvents(stored=tuple(kv.stored), removed=tuple(kv.removed), cleared=kv.cleared,
+                    span_tokens=kv.span_tokens)
 
 
 def _qoe_report(state: pb.EngineState) -> QoEReport | None:

@@ -1,7 +1,8 @@
 """The routing seam: the `Policy` protocol every routing policy implements.
 
 Owns: the protocols (`Policy`, `WeightedPolicy` for policies that count their picks, `ExplainedPolicy` for
-policies that say why they picked, and may shed: `SHED`) and the shared eligibility helper.
+policies that say why they picked, and may shed: `SHED`), the shared eligibility helper and `prefix_source`
+(what a KV-cache-aware policy asks the executor to look up).
 Must not (invariant I1, checked by tests/unit/test_import_rules.py): import asyncio, aiohttp, grpc, prometheus
 or time; read a clock; do I/O; record metrics; mutate anything. A policy is a pure function of
 (`RequestFeatures`, `ClusterSnapshot`); randomness and time come in through the features.
@@ -54,6 +55,14 @@ class ExplainedPolicy(Protocol):
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None: ...
 
     def decide(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineId | None, str]: ...
+
+
+def prefix_source(policy: object) -> str | None:
+    """Where the policy's `RequestFeatures.prefix_hits` must come from (`PREFIX_EVENTS` / `PREFIX_SENT`), or
+    None when it does not read them: the executor then computes no prefix keys at all (they cost ~140 us for a
+    12,000-token prompt). A policy declares it as a `prefix_source` attribute."""
+    source = getattr(policy, "prefix_source", None)
+    return source if isinstance(source, str) else None
 
 
 def eligible(features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineView, ...]:

@@ -57,6 +57,12 @@ Factors:
   S_affinity = 1 when r has no session record or e holds it (features.session_engine), else 1 / beta,
              beta = `affinity_bonus` > 1. (The paper boosts the session's engine to beta and leaves the others
              at 1; dividing every score of the request by beta keeps S in (0, 1] and the same ranking.)
+Prefix (`prefix`, issue 18: the affinity factor generalised from sessions to any shared prefix): with the
+  engines' KV events looked up (`prefix_source` "events"; `RequestFeatures.prefix_hits`), c_e =
+  min(hits_e x INDEX_SPAN_TOKENS, p) prompt tokens are cached on e, so e prefills only p_e = max(p - c_e, 1)
+  of them: p_e replaces p in t_first and rho_e (the cached prefix is priced as the prefill time it saves),
+  and S_affinity = beta^(f_e - 1) with the overlap share f_e = c_e / p (1 on the session's engine): 1 for a
+  fully cached prompt, 1 / beta for none, the session rule's two values at its two ends.
 
 No feasible engine (`decide`): when no candidate's predicted t_first is within T_ttft and L_e within T_tpot,
 the score ranks engines that all miss the SLO by how badly, which says little about who serves r best; PRISM
@@ -130,10 +136,11 @@ from typing import Annotated, ClassVar, Literal, NamedTuple
 import numpy as np
 from pydantic import Field, StrictFloat
 
-from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures
+from gateway.domain import PREFIX_EVENTS, ClusterSnapshot, EngineId, EngineView, RequestFeatures
 from gateway.policies.base import SHED, eligible
 from gateway.policies.params import NonNegative, NonNegativeFinite, PolicyParams, PositiveFinite
 from gateway.policies.static_weighted import gpu_class_weight
+from switchyard.prefix import INDEX_SPAN_TOKENS
 
 CAPACITY_EPSILON = 1e-6
 # exp(-36) ~ 2e-16: past x = 1 + 36 kappa, log S_capacity is below double precision next to the other terms.
@@ -172,6 +179,7 @@ class PrismParams(PolicyParams):
     stale_half_life_s: PositiveFinite = 1.0
     slo_risk_penalty: Annotated[StrictFloat, Field(gt=0, le=1)] = 0.5
     overload: Literal["soonest", "shed"] = "soonest"  # what `decide` does when no engine is feasible
+    prefix: bool = False  # price the cached prompt prefix (KV events) in latency, load and affinity
     shed_margin: Annotated[StrictFloat, Field(ge=1, allow_inf_nan=False)] = 1.0
 
 
@@ -388,18 +396,34 @@ def _row(e: EngineView, params: PrismParams, fallback: float,
 
 
 class _Request(NamedTuple):
-    prompt: int  # p
+    prompt: int | np.ndarray  # p; with `prefix`, per row: the prompt tokens the engine does not hold
     demand_tokens: int  # p + o
     output: int  # o
     ttft_s: float
     tpot_s: float
     session: EngineId | None
+    overlap: np.ndarray | None = None  # with `prefix`, per row: the share of the prompt the engine holds
 
 
 def _request(features: RequestFeatures, params: PrismParams) -> _Request:
     return _Request(features.prompt_tokens, features.prompt_tokens + features.max_tokens, features.max_tokens,
                     features.slo_ttft_s or params.ttft_slo_ms * 1e-3,
                     features.slo_tpot_s or params.tpot_slo_ms * 1e-3, features.session_engine)
+
+
+def _with_prefix(r: _Request, views: tuple[EngineView, ...], features: RequestFeatures) -> _Request:
+    """r with `prefix`: per row, the uncached prompt tokens (at least 1, the token the engine recomputes, as
+    vLLM does for a fully cached prompt) and the overlap share, the session's engine counting as a full
+    hit."""
+    p = features.prompt_tokens
+    hits = features.prefix_hits
+    if p <= 0 or (not hits and r.session is None):
+        return r
+    cached = np.array([min(hits.get(e.engine_id, 0) * INDEX_SPAN_TOKENS, p) for e in views], dtype=np.float64)
+    overlap = cached * (1.0 / p)
+    if r.session is not None:
+        overlap = np.where(np.array([e.engine_id == r.session for e in views]), 1.0, overlap)
+    return r._replace(prompt=np.maximum(p - cached, 1.0), overlap=overlap)
 
 
 class _Timing(NamedTuple):
@@ -489,7 +513,9 @@ def _totals(table: _Table, r: _Request, timing: _Timing, conf: np.ndarray | None
             state = state + (capacity if weights.capacity == 1.0 else weights.capacity * capacity)
     if conf is not None:
         state = conf * state + (1.0 - conf) * (math.fsum(state.tolist()) / len(state))
-    if r.session is not None and weights.affinity != 0.0:
+    if r.overlap is not None and weights.affinity != 0.0:
+        state = state + (weights.affinity * math.log(params.affinity_bonus)) * (r.overlap - 1.0)
+    elif r.session is not None and weights.affinity != 0.0:
         other = -weights.affinity * math.log(params.affinity_bonus)
         state = state + other
         index = table.index_of(r.session)
@@ -522,10 +548,14 @@ def factors(
     fallback = fallback_peak_tokens_per_s(snapshot.serving(features.model) or (engine,))
     table = _Table((engine,), params, fallback)
     r = _request(features, params)
+    if params.prefix:
+        r = _with_prefix(r, (engine,), features)
     latency = _log_latency(table, _timing(table, r, params), params)
     capacity = _log_capacity(table, r, params)
     affinity = 0.0
-    if r.session is not None and r.session != engine.engine_id:
+    if r.overlap is not None:
+        affinity = math.log(params.affinity_bonus) * (float(r.overlap[0]) - 1.0)
+    elif r.session is not None and r.session != engine.engine_id:
         affinity = -math.log(params.affinity_bonus)
     logs = (float(latency[0]), float(_log_load(table, r)[0]),
             0.0 if capacity is None else float(capacity[0]), affinity)
@@ -544,6 +574,7 @@ class PrismPolicy:
 
     def __init__(self, params: PrismParams | None = None) -> None:
         self._params = params if params is not None else PrismParams()
+        self.prefix_source = PREFIX_EVENTS if self._params.prefix else None  # `base.prefix_source`
         # model -> the last candidates' table: request-independent terms, patched where views changed. A memo
         # only (it never changes a decision: the rows are a function of the views).
         self._tables: dict[str, _Table] = {}
@@ -587,6 +618,8 @@ class PrismPolicy:
         params = self._params
         table = self._table(features, self.candidates(features, snapshot))
         r = _request(features, params)
+        if params.prefix and table.views:
+            r = _with_prefix(r, table.views, features)
         return table, r, _timing(table, r, params), _confidence(table, snapshot.taken_at_s, params)
 
     def scores(

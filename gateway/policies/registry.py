@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from gateway.policies.base import Policy
 from gateway.policies.goodput_rr import GoodputRRParams, GoodputRRPolicy
+from gateway.policies.kv_aware import ApproxPrefixParams, ApproxPrefixPolicy, KvAwareParams, KvAwarePolicy
 from gateway.policies.latency_based import LatencyBasedParams, LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedParams, LeastLoadedPolicy
 from gateway.policies.length_stages import LengthStagesPolicy, LengthStagesPolicyParams
@@ -90,6 +91,8 @@ _FACTORIES: Mapping[str, _Factory] = MappingProxyType(
             StaticWeightedPolicy.NAME, StaticWeightedParams, StaticWeightedPolicy
         ),
         GoodputRRPolicy.NAME: _factory(GoodputRRPolicy.NAME, GoodputRRParams, GoodputRRPolicy),
+        KvAwarePolicy.NAME: _factory(KvAwarePolicy.NAME, KvAwareParams, KvAwarePolicy),
+        ApproxPrefixPolicy.NAME: _factory(ApproxPrefixPolicy.NAME, ApproxPrefixParams, ApproxPrefixPolicy),
         LengthStagesPolicy.NAME: _factory(
             LengthStagesPolicy.NAME, LengthStagesPolicyParams, LengthStagesPolicy
         ),

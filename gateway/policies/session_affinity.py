@@ -23,7 +23,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field, StrictFloat, StrictStr, field_validator
 
 from gateway.domain import ClusterSnapshot, EngineId, EngineView, RequestFeatures, RouteTag
-from gateway.policies.base import Policy, eligible
+from gateway.policies.base import Policy, eligible, prefix_source
 from gateway.policies.least_loaded import LeastLoadedPolicy
 from gateway.policies.params import NonNegative, PolicyParams
 
@@ -80,6 +80,11 @@ class SessionAffinityPolicy:
     @property
     def fallback(self) -> Policy:
         return self._fallback
+
+    @property
+    def prefix_source(self) -> str | None:
+        """The fallback's prefix lookup (`base.prefix_source`): a KV-cache-aware fallback gets its hits."""
+        return prefix_source(self._fallback)
 
     @property
     def in_place(self) -> bool:

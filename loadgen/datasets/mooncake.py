@@ -4,7 +4,8 @@ Owns: parsing the traces' JSONL (`timestamp` ms, `input_length`, `output_length`
 records with the block ids kept as `metadata["hash_ids"]`, and turning block ids into prompt token ids
 (`prompt_ids_of`): equal ids give equal token blocks, different ids different ones, so an engine's prefix
 cache sees exactly the trace's sharing.
-Must not: shuffle, window or truncate (the registry does), or hold state beyond a small cache of the filler.
+Must not: shuffle or window (the registry does), truncate unless asked (`fit_context`, for a fleet whose
+context is shorter than the trace's prompts), or hold state beyond a small cache of the filler.
 
 A block's tokens: two head tokens that encode its id (unique for ids below (V - first)^2, V the vocabulary)
 and a filler shared by every block, `first` + a fixed pseudo-random sequence. The filler being shared is
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +60,28 @@ def load_mooncake(path: Path, *, name: str) -> list[Request]:
             request_id=f"{name}-{number - 1}", prompt_tokens=n_in, output_tokens=max(n_out, 1),
             arrival_s=(ts - first_ms) / 1000.0, metadata={HASH_IDS: hash_ids}))
     return requests
+
+
+def fit_context(requests: list[Request], max_context_tokens: int) -> tuple[list[Request], int]:
+    """Requests cut to fit a `max_context_tokens` context: a prompt whose prompt + output tokens exceed it
+    keeps its first whole blocks that fit with its output (at least one block; the output is then cut to
+    what is left). The prefix structure is kept: shared blocks lead a prompt, and a cut keeps the lead.
+    Returns the requests and how many were cut; requests without `hash_ids` are left as they are."""
+    out: list[Request] = []
+    cut = 0
+    for r in requests:
+        hash_ids = r.metadata.get(HASH_IDS) if r.metadata else None
+        output = r.output_tokens or 0
+        if not hash_ids or r.prompt_tokens + output <= max_context_tokens:
+            out.append(r)
+            continue
+        blocks = max(1, (max_context_tokens - output) // BLOCK_TOKENS)
+        prompt = min(r.prompt_tokens, blocks * BLOCK_TOKENS)
+        output = max(1, min(output, max_context_tokens - prompt))
+        out.append(replace(r, prompt_tokens=prompt, output_tokens=output,
+                           metadata={**r.metadata, HASH_IDS: tuple(hash_ids)[:blocks]}))
+        cut += 1
+    return out, cut
 
 
 @functools.lru_cache(maxsize=8)

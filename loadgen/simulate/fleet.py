@@ -19,7 +19,9 @@ from typing import Any
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.hidden_states import SyntheticHiddenStates
 from engine_agent.sim.lens_adapter import SimLens
-from gateway.domain import EngineId
+from gateway.domain import PREFIX_EVENTS, EngineId
+from gateway.policies.base import prefix_source
+from gateway.policies.registry import make_policy
 from loadgen.datasets.mooncake import HASH_IDS, prompt_ids_of
 from loadgen.datasets.request import Request
 from loadgen.simulate.predictions import PredictionRounds, remaining_lengths
@@ -31,6 +33,14 @@ from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 # Bound on the token ids held by a `PromptIds` cache (8 bytes each): beyond it, tuples are made per request.
 MAX_CACHED_PROMPT_TOKENS = 8_000_000
 SIM_VOCAB_SIZE = 32_000  # `SimEngine`'s default vocabulary
+
+
+def reports_kv_events(options: SimOptions) -> bool:
+    """Whether engines' reports carry KV events: `options.kv_events`, or when None, whether the policy reads
+    them."""
+    if options.kv_events is not None:
+        return options.kv_events
+    return prefix_source(make_policy(options.policy, options.policy_params)) == PREFIX_EVENTS
 
 
 class PromptIds:
@@ -96,12 +106,14 @@ class SimNode:
                  else options.policy in LENS_STATE_POLICIES)
         lens = (SimLens.for_profile(profile, planning=planning, state_vector=state)
                 if planning or state else None)
+        kv_events = options.prefix_caching and reports_kv_events(options)
         self.engine = SimEngine(profile, seed=options.seed, engine_id=engine_id, lens=lens,
-                                handoff=role == PREFILL_ROLE, prefix_caching=options.prefix_caching)
+                                handoff=role == PREFILL_ROLE, prefix_caching=options.prefix_caching,
+                                kv_events=kv_events)
         self.role = role  # `switchyard.roles`: a prefill engine hands each request off after its first token
         self.feed = ReportFeed(self.engine, describe_engine(engine_id, profile, role=role),
                                interval_s=options.state_interval_s, delay_s=options.report_delay_s,
-                               combo=combo)
+                               combo=combo, kv_events=kv_events)
         self.combo = combo
         # Billing (CAUCHY): the engine's GPUs cost `price_usd_h` from `billed_from_s` (provisioning starts)
         # until `left_s` (it left the fleet; None: still in it). A draining engine leaves once

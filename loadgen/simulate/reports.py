@@ -24,6 +24,12 @@ like the rest of the report); the other sends carry none, and the gateway's clus
 round's until the next (`ClusterState.on_report`). When `receive` hands over only the newest of several
 reports, it carries the newest round among them, which is what the cluster state would hold had every report
 been delivered.
+
+Prefix-cache events (`kv_events=True`, when the policy reads them): each send drains the engine's KV events
+(the agent's journal drains its backend at each push), the stream's first send carries the engine's snapshot
+(`cleared`, as the agent's journal resyncs a new watcher), and when `receive` hands over only the newest of
+several reports, it carries the skipped ones' events merged (`engine_agent.kv_journal.merge`), so the
+gateway's index is the one every report delivered would have built.
 """
 
 from __future__ import annotations
@@ -32,13 +38,15 @@ import math
 from collections import deque
 from dataclasses import replace
 
-from engine_agent.domain import EngineStats
+from engine_agent.domain import EngineStats, KvDelta
+from engine_agent.kv_journal import merge
 from engine_agent.proto_codec import engine_state
 from engine_agent.sim.engine import SimEngine
 from engine_agent.sim.reporting import ChangeGate
 from engine_agent.star.live import StarRound
 from gateway.domain import EngineDescription, EngineId, EngineReport
 from gateway.engines.grpc_client import from_engine_state
+from switchyard.prefix import INDEX_SPAN_TOKENS
 from switchyard.profiles import Profile
 from switchyard.proto_gen import engine_agent_pb2 as pb
 
@@ -74,12 +82,13 @@ def report_from_stats(
     timestamp_s: float | None = None,
     star: StarRound | None = None,
     combo: str = "",
+    kv_events: KvDelta | None = None,
 ) -> EngineReport:
     """The `EngineReport` the gateway receives for `stats` sent with sequence number `seq`: the agent's proto
     encoding decoded by the gateway's gRPC client, as on the wire.
 
     `timestamp_s` overrides `stats.timestamp_s` when the same figures are re-sent later (an unchanged engine);
-    `star`: the STAR round the push carries.
+    `star`: the STAR round the push carries; `kv_events`: the prefix-cache events it carries.
     """
     if timestamp_s is not None:
         stats = replace(stats, timestamp_s=timestamp_s)
@@ -92,7 +101,8 @@ def report_from_stats(
         combo=combo,
     )
     return from_engine_state(
-        engine_state(stats, identity=pb_identity, seq=seq, draining=draining, started=True, star=star)
+        engine_state(stats, identity=pb_identity, seq=seq, draining=draining, started=True, star=star,
+                     kv_events=kv_events, kv_span_tokens=INDEX_SPAN_TOKENS)
     )
 
 
@@ -115,16 +125,18 @@ class ReportFeed:
         "_translated",
         "combo",
         "drain_s",
+        "_kv_events",
     )
 
     def __init__(
         self, engine: SimEngine, identity: EngineDescription, *, interval_s: float, delay_s: float,
-        combo: str = "",
+        combo: str = "", kv_events: bool = False,
     ) -> None:
         self._engine = engine
         self.identity = identity
         self.combo = combo  # the GPU combo label the engine reports (CAUCHY)
         self.drain_s = math.inf  # the agent drains from then: its reports say so
+        self._kv_events = kv_events  # sends carry the engine's KV events (it must keep them: kv_events=True)
         self._interval_s = interval_s
         self._delay_s = delay_s
         self._seq = 0
@@ -133,8 +145,9 @@ class ReportFeed:
         self._anchor_s = 0.0
         self._ticks = 0
         self.next_due_s = interval_s  # the next interval send (flush before this is a no-op)
-        # (sent at, seq, the engine's figures at that time, the prediction round it carries), in send order
-        self._pending: deque[tuple[float, int, EngineStats, StarRound | None]] = deque()
+        # (sent at, seq, the engine's figures at that time, the prediction round it carries, the KV events it
+        # carries), in send order
+        self._pending: deque[tuple[float, int, EngineStats, StarRound | None, KvDelta | None]] = deque()
         self.gate = ChangeGate(engine.profile.kv_blocks_total)
         self._stats = engine.stats(0.0)
         self._stats_version = engine.change_counter
@@ -151,8 +164,14 @@ class ReportFeed:
         return self._stats
 
     def connect(self, now_s: float) -> None:
-        """The stream opens: the agent sends its state at once."""
-        self._send(now_s, self._read())
+        """The stream opens: the agent sends its state at once (and its KV snapshot)."""
+        self._send(now_s, self._read(), kv=self._engine.kv_snapshot() if self._kv_events else None)
+
+    def _drain_kv(self) -> KvDelta | None:
+        if not self._kv_events:
+            return None
+        delta = self._engine.drain_kv_events()
+        return delta if delta else None
 
     def flush(self, now_s: float) -> None:
         """Materialise the interval sends due in (last send, now_s] with the engine's current state (call it
@@ -174,8 +193,10 @@ class ReportFeed:
         stats = self._read()
         seq0 = self._seq - ticks
         pending = self._pending
+        kv = self._drain_kv()  # what changed since the last send: carried by the first of these sends
         for j in range(first, last + 1):
-            pending.append((anchor_s + j * interval_s, seq0 + j, stats, None))
+            pending.append((anchor_s + j * interval_s, seq0 + j, stats, None, kv))
+            kv = None
         self._seq = seq0 + last
         self._ticks = last
         self.next_due_s = anchor_s + (last + 1) * interval_s
@@ -198,14 +219,21 @@ class ReportFeed:
         self.flush(now_s)
         self._send(now_s, self._read(), star)
 
-    def _send(self, now_s: float, stats: EngineStats, round_: StarRound | None = None) -> None:
+    def _send(self, now_s: float, stats: EngineStats, round_: StarRound | None = None,
+              kv: KvDelta | None = None) -> None:
+        if kv is None:
+            kv = self._drain_kv()
         pending = self._pending
         if pending and pending[-1][0] == now_s:  # one wake-up, one report: the state of that moment
             last = pending[-1]
-            pending[-1] = (now_s, last[1], stats, round_ if round_ is not None else last[3])
+            last_kv = last[4]
+            if last_kv is not None and kv is not None:
+                kv = merge((last_kv, kv))
+            pending[-1] = (now_s, last[1], stats, round_ if round_ is not None else last[3],
+                           kv if kv is not None else last_kv)
         else:
             self._seq += 1
-            pending.append((now_s, self._seq, stats, round_))
+            pending.append((now_s, self._seq, stats, round_, kv))
         self._anchor_s = now_s
         self._ticks = 0
         self.next_due_s = now_s + self._interval_s
@@ -222,21 +250,26 @@ class ReportFeed:
             return None
         item = pending.popleft()
         round_ = item[3]
+        kvs = [item[4]] if item[4] is not None else []
         while pending and pending[0][0] + delay_s <= now_s:
             item = pending.popleft()
             if item[3] is not None:
                 round_ = item[3]
-        sent_s, seq, stats, _ = item
-        return self._report(stats, seq, sent_s, round_), sent_s + delay_s
+            if item[4] is not None:
+                kvs.append(item[4])
+        sent_s, seq, stats = item[0], item[1], item[2]
+        kv = None if not kvs else kvs[0] if len(kvs) == 1 else merge(kvs)
+        return self._report(stats, seq, sent_s, round_, kv), sent_s + delay_s
 
-    def _report(self, stats: EngineStats, seq: int, sent_s: float, round_: StarRound | None) -> EngineReport:
-        """`report_from_stats` for one send. Consecutive sends of the same figures without a round differ only
-        in sequence number and timestamp, so their wire translation runs once per distinct reading and is
-        re-stamped; a send with a round is translated whole."""
+    def _report(self, stats: EngineStats, seq: int, sent_s: float, round_: StarRound | None,
+                kv: KvDelta | None = None) -> EngineReport:
+        """`report_from_stats` for one send. Consecutive sends of the same figures without a round or KV
+        events differ only in sequence number and timestamp, so their wire translation runs once per distinct
+        reading and is re-stamped; a send with a round or events is translated whole."""
         draining = sent_s >= self.drain_s
-        if round_ is not None:
+        if round_ is not None or kv is not None:
             return report_from_stats(stats, self.identity, seq, timestamp_s=sent_s, star=round_,
-                                     combo=self.combo, draining=draining)
+                                     combo=self.combo, draining=draining, kv_events=kv)
         cached = self._translated
         if cached is None or cached[0] is not stats or cached[1].draining != draining:
             translated = report_from_stats(stats, self.identity, seq, combo=self.combo, draining=draining)

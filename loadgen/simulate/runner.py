@@ -25,7 +25,7 @@ from operator import sub
 from typing import Any
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
-from gateway.dispatch.features import RoutingHints
+from gateway.dispatch.features import RoutingHints, prefix_keys_of
 from gateway.dispatch.life import (
     ChoiceLife,
     Decision,
@@ -37,6 +37,7 @@ from gateway.dispatch.life import (
     record_outcome,
 )
 from gateway.domain import ChatTurn, EngineRequest, Finished
+from gateway.policies.base import prefix_source
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome
@@ -311,8 +312,12 @@ class _Run:
         options = self.options
         hints = RoutingHints(arrival_s=now_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
                              slo_tpot_s=options.slo_tpot_s)
+        source = prefix_source(decider.policy)
+        prefix_keys = prefix_keys_of(engine_request) if source is not None else ()
         life = ChoiceLife(engine_request, hints, session_engine=session_engine,
-                          session_last_used_s=session_last_used_s)
+                          session_last_used_s=session_last_used_s, prefix_keys=prefix_keys,
+                          prefix_hits=state.prefix_match(prefix_keys, source, now_s)
+                          if prefix_keys and source else None)
         while True:
             decision = life.route(decider.policy, decider.moment(now_s))
             self.decisions[decider.index] += 1
@@ -476,7 +481,8 @@ class _Run:
             request_id=rid, success=True, prompt_tokens=usage.prompt_tokens,
             output_tokens=usage.completion_tokens, arrival_s=arrival_s - self.t0, start_s=arrival_s - self.t0,
             ttft_s=times[0] - arrival_s, itl_s=tuple(map(sub, times[1:], times)), e2e_s=now_s - arrival_s,
-            engine_id=node.engine_id, migrations=migrations if migrations is not None else 0)
+            engine_id=node.engine_id, migrations=migrations if migrations is not None else 0,
+            cached_tokens=usage.cached_tokens)
 
     @staticmethod
     def left(node: SimNode, rid: str, now_s: float) -> None:

@@ -116,7 +116,9 @@ class SimOptions:
     draws; `max_output_tokens_default`: max_tokens of requests with no forced output length;
     `record_timeline_s`: the timeline's sampling period.
     `prefix_caching`: engines reuse cached prompt blocks (`engine_agent.sim.prefix_cache`; prompts share
-    blocks only where the trace says so, `loadgen.simulate.fleet.PromptIds`) and report KV events.
+    blocks only where the trace says so, `loadgen.simulate.fleet.PromptIds`); `kv_events`: their reports
+    carry the prefix cache's KV events (None, default: only when the policy reads them, `prefix_source`
+    "events": keying every prompt's index blocks and indexing the events costs the simulator time).
     `lens_planning`: LENS plans every engine's token budget (Algorithm 1) unless its `EngineSpec.lens` says
     otherwise; `lens_state`: engines run LENS's model and report its state vector (Eq. 8) even without
     planning; None (default) = only when the policy reads it (`LENS_STATE_POLICIES`: running the model costs
@@ -152,6 +154,7 @@ class SimOptions:
     max_output_tokens_default: int = 2048
     record_timeline_s: float = 1.0
     prefix_caching: bool = True
+    kv_events: bool | None = None
     lens_planning: bool = False
     lens_state: bool | None = None
     slo_ttft_s: float | None = None

@@ -318,8 +318,20 @@ class QoEFit(_message.Message):
     mean_relative_error: float
     def __init__(self, d: _Optional[_Iterable[float]] = ..., samples: _Optional[int] = ..., mean_relative_error: _Optional[float] = ...) -> None: ...
 
+class KvEvents(_message.Message):
+    __slots__ = ("stored", "removed", "cleared", "span_tokens")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    SPAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    cleared: bool
+    span_tokens: int
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ..., span_tokens: _Optional[int] = ...) -> None: ...
+
 class EngineState(_message.Message):
-    __slots__ = ("identity", "seq", "timestamp_s", "ready", "draining", "num_running", "num_waiting", "num_preempted_total", "kv_blocks_total", "kv_blocks_free", "kv_blocks_reserved", "pending_prefill_tokens", "running_batch_tokens", "last_iteration_s", "iterations_total", "lens", "predictions", "future_load", "qoe", "transfer_bytes_per_s")
+    __slots__ = ("identity", "seq", "timestamp_s", "ready", "draining", "num_running", "num_waiting", "num_preempted_total", "kv_blocks_total", "kv_blocks_free", "kv_blocks_reserved", "pending_prefill_tokens", "running_batch_tokens", "last_iteration_s", "iterations_total", "lens", "predictions", "future_load", "qoe", "transfer_bytes_per_s", "kv_events")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +352,7 @@ class EngineState(_message.Message):
     FUTURE_LOAD_FIELD_NUMBER: _ClassVar[int]
     QOE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     identity: EngineIdentity
     seq: int
     timestamp_s: float
@@ -360,7 +373,8 @@ class EngineState(_message.Message):
     future_load: FutureLoad
     qoe: QoEFit
     transfer_bytes_per_s: float
-    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., seq: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., running_batch_tokens: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., iterations_total: _Optional[int] = ..., lens: _Optional[_Union[LensState, _Mapping]] = ..., predictions: _Optional[_Iterable[_Union[RequestPrediction, _Mapping]]] = ..., future_load: _Optional[_Union[FutureLoad, _Mapping]] = ..., qoe: _Optional[_Union[QoEFit, _Mapping]] = ..., transfer_bytes_per_s: _Optional[float] = ...) -> None: ...
+    kv_events: KvEvents
+    def __init__(self, identity: _Optional[_Union[EngineIdentity, _Mapping]] = ..., seq: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preempted_total: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_reserved: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., running_batch_tokens: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., iterations_total: _Optional[int] = ..., lens: _Optional[_Union[LensState, _Mapping]] = ..., predictions: _Optional[_Iterable[_Union[RequestPrediction, _Mapping]]] = ..., future_load: _Optional[_Union[FutureLoad, _Mapping]] = ..., qoe: _Optional[_Union[QoEFit, _Mapping]] = ..., transfer_bytes_per_s: _Optional[float] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -366,3 +366,40 @@ async def test_sigterm_drains_in_flight_stream(tmp_path: Path) -> None:
         if agent.proc.poll() is None:
             agent.proc.kill()
             agent.proc.wait()
+
+
+async def test_watch_state_carries_prefix_cache_events(stub: pb_grpc.EngineAgentStub) -> None:
+    """A watcher's first push resyncs (`cleared`); a later push carries the index blocks a computed prompt
+    stored, keyed as the gateway keys them; a watcher that connects afterwards gets them in its resync."""
+    from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys
+
+    ids = tuple(100 + (i * 7919) % 8000 for i in range(3 * INDEX_SPAN_TOKENS + 10))  # 3 index blocks
+    keys = block_keys(ids, INDEX_SPAN_TOKENS)
+    watch = stub.WatchState(pb.WatchStateRequest(interval_ms=20))
+    try:
+        first = await _state_until(watch, lambda s: True, 2.0)
+        assert first.HasField("kv_events") and first.kv_events.cleared
+        assert first.kv_events.span_tokens == INDEX_SPAN_TOKENS
+        done = await _collect(stub.Generate(_gen("kv-events", 4, ids=ids)))
+        assert done.finished is not None
+        stored: set[int] = set()
+
+        def saw_all(state: pb.EngineState) -> bool:
+            if state.HasField("kv_events"):
+                assert not state.kv_events.cleared  # one resync per stream
+                stored.update(state.kv_events.stored)
+            return set(keys) <= stored
+
+        await _state_until(watch, saw_all, 5.0)
+    finally:
+        watch.cancel()
+    late = stub.WatchState(pb.WatchStateRequest(interval_ms=20))
+    try:
+        resync = await _state_until(late, lambda s: True, 2.0)
+        assert resync.kv_events.cleared and set(keys) <= set(resync.kv_events.stored)
+    finally:
+        late.cancel()
+    # The repeat hits the cached blocks: all but the last, partial block of 10 tokens.
+    again = await _collect(stub.Generate(_gen("kv-events-again", 4, ids=ids)))
+    assert again.finished is not None
+    assert again.finished.usage.cached_tokens >= 3 * INDEX_SPAN_TOKENS

@@ -53,11 +53,12 @@ AGENT_DOMAIN = ("engine_agent.domain",)
 PURE_CORES = (
     PureCore("gateway/domain.py", ()),
     PureCore("engine_agent/domain.py", ()),
-    PureCore("gateway/policies", (*GATEWAY_DOMAIN, "gateway.policies", *CATALOGUE)),
+    PureCore("gateway/policies", (*GATEWAY_DOMAIN, "gateway.policies", *CATALOGUE, "switchyard.prefix")),
     PureCore("gateway/cluster/health.py", ()),
-    PureCore("gateway/cluster/state.py", (*GATEWAY_DOMAIN, "gateway.cluster.health")),
+    PureCore("gateway/cluster/state.py", (*GATEWAY_DOMAIN, "gateway.cluster.health",
+                                          "gateway.cluster.prefix_index", "switchyard.prefix")),
     PureCore("gateway/cluster/prefix_index.py", GATEWAY_DOMAIN),
-    PureCore("gateway/dispatch/features.py", GATEWAY_DOMAIN),
+    PureCore("gateway/dispatch/features.py", (*GATEWAY_DOMAIN, "switchyard.prefix")),
     PureCore("gateway/dispatch/retry.py", ()),
     PureCore("gateway/access", ("gateway.access", "gateway.config")),
     PureCore("gateway/admission/core.py", GATEWAY_DOMAIN),
@@ -78,6 +79,7 @@ PURE_CORES = (
     # CascadeInfer's online QoE fit and the KV pull throughput: fed by the backends, pure themselves.
     PureCore("engine_agent/qoe_tracker.py", (*AGENT_DOMAIN, "switchyard.qoe")),
     PureCore("engine_agent/transfer_rate.py", ()),
+    PureCore("engine_agent/kv_journal.py", AGENT_DOMAIN),
     # Cascades (Cascadia): the quality profiles, the judge's prompts and parser, and one request's decisions.
     PureCore("gateway/cascade/quality.py", ()),
     PureCore("gateway/cascade/judge_prompt.py", ("gateway.cascade.quality",)),

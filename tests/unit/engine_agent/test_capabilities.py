@@ -9,10 +9,12 @@ import pytest
 
 from engine_agent.backends.base import (
     HIDDEN_STATES,
+    KV_EVENTS,
     MIGRATION,
     Capabilities,
     EngineBackend,
     HiddenStateSource,
+    KvEventSource,
     Migrator,
 )
 from engine_agent.backends.sim import SimBackend
@@ -68,12 +70,14 @@ class CoreOnly:
         return await self._inner.wait_for_change(after_version, timeout_s)
 
 
-def test_the_sim_backend_has_both_capabilities_and_a_core_only_backend_none() -> None:
+def test_the_sim_backend_has_every_capability_and_a_core_only_backend_none() -> None:
     backend = sim_backend()
     assert isinstance(backend, Migrator) and isinstance(backend, HiddenStateSource)
+    assert isinstance(backend, KvEventSource)
     caps = Capabilities.of(backend)
     assert caps.migrator is backend and caps.hidden_state_source is backend
-    assert caps.names == (MIGRATION, HIDDEN_STATES)
+    assert caps.kv_event_source is backend
+    assert caps.names == (MIGRATION, HIDDEN_STATES, KV_EVENTS)
 
     core: EngineBackend = CoreOnly(backend)
     assert not isinstance(core, Migrator) and not isinstance(core, HiddenStateSource)
@@ -86,8 +90,9 @@ def test_the_sim_backend_has_both_capabilities_and_a_core_only_backend_none() ->
 
 def test_switched_off_capabilities_are_absent_with_the_reason() -> None:
     backend = sim_backend(hidden_state_interval=None)
-    caps = Capabilities.of(backend, switched_off={MIGRATION: "--no-migration"})
-    assert caps.migrator is None and caps.hidden_state_source is None and caps.names == ()
+    caps = Capabilities.of(backend, switched_off={MIGRATION: "--no-migration", KV_EVENTS: "test"})
+    assert caps.migrator is None and caps.hidden_state_source is None and caps.kv_event_source is None
+    assert caps.names == ()
     assert caps.missing(MIGRATION) == (
         "this engine does not offer the migration capability: it is switched off (--no-migration)"
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
+from engine_agent.domain import BackendRequest, FinishEvent, KvDelta, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine, StepResult
-from engine_agent.sim.prefix_cache import KvDelta, PrefixCache
+from engine_agent.sim.prefix_cache import PrefixCache
 from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys, span_of
 from switchyard.profiles import get_profile
 

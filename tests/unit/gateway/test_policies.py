@@ -263,7 +263,9 @@ def test_registry_builds(name: str, params: dict[str, object] | None, cls: type)
 
 def test_registry_names_match_policy_names() -> None:
     assert POLICY_NAMES == (
+        "approx_prefix",
         "goodput_rr",
+        "kv_aware",
         "latency_based",
         "least_loaded",
         "length_stages",
@@ -287,8 +289,8 @@ def test_session_affinity_default_fallback_is_least_loaded() -> None:
         (
             "nope",
             None,
-            "unknown policy 'nope'; known policies: goodput_rr, latency_based, least_loaded, length_stages, "
-            "prism, round_robin, session_affinity, static_weighted",
+            "unknown policy 'nope'; known policies: approx_prefix, goodput_rr, kv_aware, latency_based, "
+            "least_loaded, length_stages, prism, round_robin, session_affinity, static_weighted",
         ),
         ("round_robin", {"x": 1}, "policy 'round_robin': x: Extra inputs are not permitted"),
         ("least_loaded", {"x": 1}, "policy 'least_loaded': x: Extra inputs are not permitted"),

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from gateway.domain import ClusterSnapshot, RequestFeatures
 from gateway.policies.base import Policy
 from gateway.policies.goodput_rr import GoodputRRParams, GoodputRRPolicy
+from gateway.policies.kv_aware import ApproxPrefixParams, ApproxPrefixPolicy, KvAwareParams, KvAwarePolicy
 from gateway.policies.latency_based import LatencyBasedParams, LatencyBasedPolicy
 from gateway.policies.least_loaded import LeastLoadedParams, LeastLoadedPolicy
 from gateway.policies.length_stages import LengthStagesPolicy, LengthStagesPolicyParams
@@ -28,6 +29,9 @@ INF, NAN = float("inf"), float("nan")
 # ---- bad fields: (policy, params, "<field path>: <reason>") ------------------------------------------------
 
 BAD: list[tuple[str, dict[str, Any], str]] = [
+    ("kv_aware", {"overlap_weight": -1}, "overlap_weight: Input should be greater than or equal to 0"),
+    ("kv_aware", {"index": "both"}, "index: Input should be 'events' or 'sent'"),
+    ("approx_prefix", {"cache_threshold": "half"}, "cache_threshold: Input should be a valid number"),
     ("round_robin", {"measure": "tokens"}, "measure: Extra inputs are not permitted"),
     ("least_loaded", {"metric": "e2e"}, "metric: Extra inputs are not permitted"),
     ("least_loaded", {"measure": 1}, "measure: Input should be 'tokens' or 'requests'"),
@@ -80,8 +84,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     (
         "session_affinity",
         {"fallback": "nope"},
-        "fallback: unknown policy 'nope'; known: goodput_rr, latency_based, least_loaded, length_stages, "
-        "prism, round_robin, static_weighted",
+        "fallback: unknown policy 'nope'; known: approx_prefix, goodput_rr, kv_aware, latency_based, "
+        "least_loaded, length_stages, prism, round_robin, static_weighted",
     ),
     ("session_affinity", {"fallback_params": "x"}, "fallback_params: Input should be a valid dictionary"),
     (
@@ -155,6 +159,7 @@ DEFAULTS: list[tuple[str, type[PolicyParams], dict[str, Any]]] = [
             "slo_risk_penalty": 0.5,
             "overload": "soonest",
             "shed_margin": 1.0,
+            "prefix": False,
         },
     ),
     (
@@ -162,6 +167,9 @@ DEFAULTS: list[tuple[str, type[PolicyParams], dict[str, Any]]] = [
         SessionAffinityParams,
         {"ttl_s": 600.0, "min_kv_free_ratio": 0.05, "fallback": "least_loaded", "fallback_params": {}},
     ),
+    ("kv_aware", KvAwareParams, {"balance_abs": 32.0, "balance_rel": 1.5, "overlap_weight": 8.0,
+                                 "load": "active", "index": "events"}),
+    ("approx_prefix", ApproxPrefixParams, {"balance_abs": 32.0, "balance_rel": 1.5, "cache_threshold": 0.7}),
 ]
 
 
@@ -219,6 +227,10 @@ VALID: list[tuple[str, dict[str, Any], Policy]] = [
         {"ttl_s": 5, "min_kv_free_ratio": 0.1, "fallback": "round_robin"},
         SessionAffinityPolicy(_SA, fallback=RoundRobinPolicy()),
     ),
+    ("kv_aware", {"overlap_weight": 2, "load": "inflight", "index": "sent"},
+     KvAwarePolicy(KvAwareParams(overlap_weight=2.0, load="inflight", index="sent"))),
+    ("approx_prefix", {"cache_threshold": 0.4, "balance_abs": 4},
+     ApproxPrefixPolicy(ApproxPrefixParams(cache_threshold=0.4, balance_abs=4.0))),
 ]
 
 SNAPSHOTS: list[tuple[ClusterSnapshot, RequestFeatures]] = [

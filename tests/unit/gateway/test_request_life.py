@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -67,7 +68,8 @@ class Ledger:
         self.calls: list[tuple[object, ...]] = []
 
     def note_dispatch(self, engine_id: EngineId, request_id: str, prompt_tokens: int, max_tokens: int,
-                      session_id: str, now_s: float, route: RouteTag | None = None) -> None:
+                      session_id: str, now_s: float, route: RouteTag | None = None,
+                      prefix_keys: Sequence[int] = ()) -> None:
         self.calls.append((engine_id, request_id, prompt_tokens, max_tokens, session_id, now_s, route))
 
 
