@@ -157,6 +157,16 @@ def _rank(row: dict[str, Any]) -> tuple[float, float]:
     return (row["slo_attainment"], row["prefix_hit_rate"] or 0.0)
 
 
+def _write(args: argparse.Namespace, what: str, trace_info: dict[str, Any], speed: float,
+           calibration: list[dict[str, Any]], started: float, **figures: Any) -> None:
+    write_json(args.output, {
+        "what": f"issue 18 {what} (simulated GPUs)", "fleet": FLEET, "slo_ttft_ms": SLO_TTFT_MS,
+        "trace": trace_info, "speedup": speed, "calibration": calibration, **figures,
+        "wall_s": time.perf_counter() - started,
+        "command": f"benchmarks/prefix_routing.py {args.command} " + " ".join(sys.argv[2:]),
+    })
+
+
 def sweep(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     requests, trace_info = _requests(TRAIN, args.requests, args.data_dir)
@@ -174,12 +184,8 @@ def sweep(args: argparse.Namespace) -> None:
         print(f"  {r['policy']:14s} {str(r['params']):70s} att {r['slo_attainment']:.3f} "
               f"hit {r['prefix_hit_rate']:.3f} p99 TTFT {r['p99_ttft_ms']:.0f} ms")
     print("chosen:", chosen)
-    write_json(args.output, {
-        "what": "issue 18 weight sweep on the training trace (simulated GPUs)", "fleet": FLEET,
-        "slo_ttft_ms": SLO_TTFT_MS, "trace": trace_info, "speedup": speed, "calibration": calibration,
-        "rows": rows, "chosen": chosen, "wall_s": time.perf_counter() - started,
-        "command": "benchmarks/prefix_routing.py sweep " + " ".join(sys.argv[2:]),
-    })
+    _write(args, "weight sweep on the training trace", trace_info, speed, calibration, started,
+           rows=rows, chosen=chosen)
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -209,12 +215,8 @@ def compare(args: argparse.Namespace) -> None:
         "attainment_ge_approx": kv["slo_attainment"] >= approx["slo_attainment"],
     }
     print("targets:", targets)
-    write_json(args.output, {
-        "what": "issue 18 comparison on the evaluation trace (simulated GPUs)", "fleet": FLEET,
-        "slo_ttft_ms": SLO_TTFT_MS, "trace": trace_info, "speedup": speed, "calibration": calibration,
-        "arms": by_arm, "targets": targets, "wall_s": time.perf_counter() - started,
-        "command": "benchmarks/prefix_routing.py compare " + " ".join(sys.argv[2:]),
-    })
+    _write(args, "comparison on the evaluation trace", trace_info, speed, calibration, started,
+           arms=by_arm, targets=targets)
 
 
 def traffic(args: argparse.Namespace) -> None:

@@ -76,6 +76,18 @@ def _shortest_queue(engines: tuple[EngineView, ...]) -> EngineId:
     return min(engines, key=lambda e: (e.queue_length, load_tokens(e), e.engine_id)).engine_id
 
 
+def _screen(features: RequestFeatures, snapshot: ClusterSnapshot, params: _BalanceParams
+            ) -> tuple[tuple[EngineView, ...], tuple[EngineId | None, str] | None]:
+    """The eligible engines, and the decision when it is made before the cache is read: none eligible, or
+    the balance threshold tripped (the shortest queue, "balance")."""
+    engines = eligible(features, snapshot)
+    if not engines:
+        return engines, (None, "")
+    if len(engines) > 1 and imbalanced(engines, params.balance_abs, params.balance_rel):
+        return engines, (_shortest_queue(engines), "balance")
+    return engines, None
+
+
 def cached_tokens(features: RequestFeatures, engine_id: EngineId) -> int:
     """cached_e of the module docstring."""
     hits = features.prefix_hits.get(engine_id, 0)
@@ -106,12 +118,10 @@ class KvAwarePolicy:
     def decide(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineId | None, str]:
         """The pick and why: "balance" (the threshold tripped: shortest queue), "cached" (the cost's argmin
         holds part of the prompt) or "load" (it holds none)."""
-        engines = eligible(features, snapshot)
-        if not engines:
-            return None, ""
         params = self._params
-        if len(engines) > 1 and imbalanced(engines, params.balance_abs, params.balance_rel):
-            return _shortest_queue(engines), "balance"
+        engines, early = _screen(features, snapshot, params)
+        if early is not None:
+            return early
         weight, p, hits, load = (params.overlap_weight, features.prompt_tokens, features.prefix_hits,
                                  self._load)
         best: EngineView | None = None
@@ -141,12 +151,10 @@ class ApproxPrefixPolicy:
 
     def decide(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[EngineId | None, str]:
         """The pick and why: "balance", "cached" (the best match is above the threshold) or "load"."""
-        engines = eligible(features, snapshot)
-        if not engines:
-            return None, ""
         params = self._params
-        if len(engines) > 1 and imbalanced(engines, params.balance_abs, params.balance_rel):
-            return _shortest_queue(engines), "balance"
+        engines, early = _screen(features, snapshot, params)
+        if early is not None:
+            return early
         p = features.prompt_tokens
         if features.prefix_hits and p > 0:
             best = min(engines, key=lambda e: (-cached_tokens(features, e.engine_id), load_tokens(e),
