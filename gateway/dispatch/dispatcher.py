@@ -34,7 +34,7 @@ from typing import Protocol
 
 from gateway.cluster.health import FailureReason
 from gateway.dispatch.cancel import IDLE_STREAM_CANCEL
-from gateway.dispatch.features import RoutingHints, prefix_keys_of
+from gateway.dispatch.features import RoutingHints
 from gateway.dispatch.life import (
     DEFAULT_MAX_ATTEMPTS,
     ChoiceLife,
@@ -46,6 +46,7 @@ from gateway.dispatch.life import (
     OutcomeLedger,
     Shed,
     StreamFailed,
+    prefix_lookup,
     record_dispatch,
     record_outcome,
 )
@@ -68,7 +69,7 @@ from gateway.domain import (
 )
 from gateway.engines.base import EngineClient, MigratingClient, RecomputingClient
 from gateway.observability.metrics import GatewayMetrics
-from gateway.policies.base import Policy, prefix_source
+from gateway.policies.base import Policy
 from switchyard.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -230,15 +231,14 @@ class Dispatcher:
         if hints.session_id:
             session_engine, session_last_used_s = self._state.session_lookup(hints.session_id)
         policy_name, policy = self._policies.resolve(hints.policy_name)
-        source = prefix_source(policy)
-        prefix_keys = prefix_keys_of(request) if source is not None else ()
+        prefix_keys, prefix_hits = prefix_lookup(request, policy, self._state.prefix_match)
         life = ChoiceLife(
             request,
             hints,
             session_engine=session_engine,
             session_last_used_s=session_last_used_s,
             prefix_keys=prefix_keys,
-            prefix_hits=self._state.prefix_match(prefix_keys, source) if prefix_keys and source else None,
+            prefix_hits=prefix_hits,
             max_attempts=self._max_attempts,
             budget=self._budget,
             recompute=True,

@@ -58,13 +58,13 @@ so the simulator runs them too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
 from gateway.cluster.health import FailureReason
-from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens
+from gateway.dispatch.features import RoutingHints, build_features, estimate_prompt_tokens, prefix_keys_of
 from gateway.dispatch.retry import RetryBudget
 from gateway.domain import (
     ClusterSnapshot,
@@ -76,7 +76,7 @@ from gateway.domain import (
     RequestFeatures,
     RouteTag,
 )
-from gateway.policies.base import SHED, Policy
+from gateway.policies.base import SHED, Policy, prefix_source
 from switchyard.roles import DECODE_ROLE, PREFILL_ROLE
 
 DEFAULT_MAX_ATTEMPTS = 3
@@ -209,6 +209,20 @@ def record_outcome(ledger: OutcomeLedger, outcome: Outcome) -> bool:
     if outcome.reason is None:
         return ledger.note_success(outcome.engine_id)
     return ledger.note_failure(outcome.engine_id, outcome.reason, outcome.now_s)
+
+
+def prefix_lookup(
+    request: EngineRequest, policy: Policy, match: Callable[[tuple[int, ...], str], Mapping[EngineId, int]]
+) -> tuple[tuple[int, ...], Mapping[EngineId, int] | None]:
+    """A new choice's `prefix_keys` and `prefix_hits` for `policy` (both executors call this before building
+    the `ChoiceLife`): nothing unless the policy reads them (`prefix_source`); else the prompt's index keys
+    and, when there are any, `match(keys, source)` (the cluster state's `prefix_match` at the executor's
+    now)."""
+    source = prefix_source(policy)
+    if source is None:
+        return (), None
+    keys = prefix_keys_of(request)
+    return keys, (match(keys, source) if keys else None)
 
 
 def record_dispatch(ledger: DispatchLedger, dispatch: Dispatch) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from operator import sub
 from typing import Any
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
-from gateway.dispatch.features import RoutingHints, prefix_keys_of
+from gateway.dispatch.features import RoutingHints
 from gateway.dispatch.life import (
     ChoiceLife,
     Decision,
@@ -33,11 +34,11 @@ from gateway.dispatch.life import (
     GiveUp,
     RecordLatency,
     Shed,
+    prefix_lookup,
     record_dispatch,
     record_outcome,
 )
 from gateway.domain import ChatTurn, EngineRequest, Finished
-from gateway.policies.base import prefix_source
 from gateway.policies.registry import make_policy
 from loadgen.datasets.request import Request
 from loadgen.metrics import Outcome
@@ -45,7 +46,7 @@ from loadgen.simulate.balance import balance_figures, exec_time_variance_ms2
 from loadgen.simulate.cascade import CascadeRun
 from loadgen.simulate.cascade_replan import CascadeReplanner
 from loadgen.simulate.deciders import Decider, DeciderAssigner, build_deciders
-from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet
+from loadgen.simulate.fleet import PromptIds, SimNode, build_fleet, reports_kv_events
 from loadgen.simulate.migrations import Migrations, MoveStats
 from loadgen.simulate.scaling import FleetChanges, bill, plan_engines, usd_per_hour
 from loadgen.simulate.spec import EngineSpec, Scaling, SimOptions, SimResult
@@ -312,12 +313,11 @@ class _Run:
         options = self.options
         hints = RoutingHints(arrival_s=now_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
                              slo_tpot_s=options.slo_tpot_s)
-        source = prefix_source(decider.policy)
-        prefix_keys = prefix_keys_of(engine_request) if source is not None else ()
+        prefix_keys, prefix_hits = prefix_lookup(
+            engine_request, decider.policy, lambda keys, source: state.prefix_match(keys, source, now_s))
         life = ChoiceLife(engine_request, hints, session_engine=session_engine,
                           session_last_used_s=session_last_used_s, prefix_keys=prefix_keys,
-                          prefix_hits=state.prefix_match(prefix_keys, source, now_s)
-                          if prefix_keys and source else None)
+                          prefix_hits=prefix_hits)
         while True:
             decision = life.route(decider.policy, decider.moment(now_s))
             self.decisions[decider.index] += 1
@@ -574,6 +574,8 @@ def simulate(
         if options.cascade is not None and options.cascade.replan is not None:
             raise ValueError("a CAUCHY plan (scaling) and a re-planning cascade cannot be simulated together")
         engines = plan_engines(scaling)
+    if options.kv_events is None:  # decided once per run, not once per engine (it builds the policy)
+        options = replace(options, kv_events=reports_kv_events(options))
     nodes = build_fleet(engines, options, counts)
     run = _Run(schedule, nodes, options, progress, on_decision, wall_clock=clock, scaling=scaling,
                profile_counts=counts)
