@@ -11,6 +11,8 @@ Must not: measure requests (``loadgen.live``), model engines or route (``loadgen
 Live replay of token-count traces (azure-*, sarathi-sharegpt, arxiv) synthesises prompts of the exact length
 with the sim agents' tokenizer; against engines with another tokenizer pass ``--tokenizer DIR`` (an HF-style
 directory with tokenizer.json and tokenizer_config.json) so the engines see the trace's prompt lengths.
+Block prompts (mooncake-*, sessions) go live as token ids of ``--vocab-size`` (default: that tokenizer's
+vocabulary). ``--dataset sessions`` makes its own arrivals: ``--rate`` is then session starts per second.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ from loadgen.compare import (
 from loadgen.datasets import (
     OUTPUT_LENGTH_DISTRIBUTIONS,
     Request,
+    SessionSpec,
+    TurnLengths,
     dataset_names,
     load_dataset,
     with_output_lengths,
@@ -70,6 +74,8 @@ from loadgen.live import (
     LiveOptions,
     LiveResult,
     TargetUnreachableError,
+    block_fidelity,
+    check_block_vocab,
     fetch_models,
     prepare_requests,
     run_live,
@@ -172,6 +178,19 @@ def _common_flags() -> argparse.ArgumentParser:
     g.add_argument("--no-plots", action="store_true", help="write no PNG files")
     g.add_argument("--model",
                    help="model name (run: default the target's first model; simulate: the profile's)")
+    d = SessionSpec()
+    g = p.add_argument_group("sessions (--dataset sessions: a shared system prompt, then a growing history; "
+                             "--rate is session starts/s)")
+    g.add_argument("--sessions", type=_positive_int, metavar="N", help=f"sessions (default {d.sessions})")
+    g.add_argument("--turns-per-session", type=_positive_int, metavar="N",
+                   help=f"turns per session (default {d.turns_per_session})")
+    g.add_argument("--system-prompt-tokens", type=int, metavar="N",
+                   help=f"shared system prompt, a multiple of 512 (default {d.system_prompt_tokens})")
+    g.add_argument("--think-time-s", type=float, metavar="S",
+                   help=f"pause before a session's next turn (default {d.think_time_s})")
+    g.add_argument("--max-session-tokens", type=_positive_int, metavar="N",
+                   help=f"a session ends before a turn whose prompt + answer exceed this "
+                        f"(default {d.max_session_tokens})")
     return p
 
 
@@ -253,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--request-timeout-s", type=_positive_float, default=600.0)
     run.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token, if needed")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--vocab-size", type=_positive_int, metavar="V",
+                     help="vocabulary that block prompts (mooncake-*, sessions) are sent in as token ids "
+                          "(default: the --tokenizer's, else the sim tokenizer's)")
+    run.add_argument("--planned-turns", action="store_true",
+                     help="sessions: send every turn at its planned time (as simulate does) instead of "
+                          "--think-time-s after the previous turn's response")
     sim = sub.add_parser("simulate", parents=[common], help="replay in the discrete-event cluster simulator")
     _sim_flags(sim, single_policy=True)
     cmp_ = sub.add_parser("compare", parents=[common], help="compare policies or fleets in the simulator")
@@ -296,10 +321,35 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+SESSION_FIELDS = ("sessions", "turns_per_session", "system_prompt_tokens", "think_time_s",
+                  "max_session_tokens")  # SessionSpec fields set by the flags of the same names
+
+
+def session_spec(args: argparse.Namespace) -> SessionSpec | None:
+    """The ``sessions`` dataset's parameters (None for another dataset, whose session flags are errors)."""
+    given = {name: getattr(args, name) for name in SESSION_FIELDS if getattr(args, name) is not None}
+    if args.dataset != "sessions":
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise UsageError(f"{flags}: only for --dataset sessions")
+        return None
+    window = args.speedup != 1.0 or args.start != 0.0 or args.duration is not None
+    if args.timestamps or window or args.output_lengths or getattr(args, "rates", None):
+        raise UsageError("--dataset sessions makes its own arrivals (--rate: session starts/s) and output "
+                         "lengths (its histories replay them): drop --timestamps, --speedup, --start, "
+                         "--duration, --output-lengths, --rates")
+    try:
+        return SessionSpec(rate_per_s=args.rate, burstiness=args.burstiness, **given)
+    except ValueError as exc:
+        raise UsageError(f"--dataset sessions: {exc}") from None
+
+
 def arrival_spec(args: argparse.Namespace) -> ArrivalSpec:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UsageError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     fields: dict[str, Any] = {"max_concurrency": args.max_concurrency, "seed": args.seed}
+    if session_spec(args) is not None:  # planned arrivals come with the requests
+        return ArrivalSpec(timestamps=True, **fields)
     if args.timestamps:
         fields.update(timestamps=True, speedup=args.speedup, start_s=args.start, duration_s=args.duration)
         if not math.isinf(args.rate) or args.burstiness != 1.0:
@@ -321,15 +371,16 @@ def load_requests(args: argparse.Namespace, tokenizer: Tokenizer, *, synthesize:
         raise UsageError(f"--num-requests must be >= 1, got {args.num_requests}")
     if getattr(args, "cascade", None):
         return cascade_dataset(args)
-    is_path = args.dataset.startswith(("jsonl:", "sharegpt:"))
+    no_files = args.dataset.startswith(("jsonl:", "sharegpt:")) or args.dataset == "sessions"
     try:
         data_dir: Path | None = resolve_data_dir(args.data_dir)
     except DataDirNotFoundError:
-        if not is_path:
+        if not no_files:
             raise
         data_dir = None
     window: dict[str, Any] = {"start_s": args.start, "duration_s": args.duration} if args.timestamps else {}
-    requests = load_dataset(args.dataset, data_dir, num_requests=args.num_requests, seed=args.seed, **window)
+    requests = load_dataset(args.dataset, data_dir, num_requests=args.num_requests, seed=args.seed,
+                            sessions=session_spec(args), **window)
     if not requests:
         raise UsageError(f"dataset {args.dataset!r} gave no requests (check --start/--duration)")
     prepared = prepare_requests(requests, EngineTokenizer(tokenizer), seed=args.seed, synthesize=synthesize)
@@ -343,9 +394,16 @@ def _slo(args: argparse.Namespace) -> Slo | None:
 
 
 def _base_config(args: argparse.Namespace, spec: ArrivalSpec) -> dict[str, Any]:
+    sessions = session_spec(args)
+    lengths = None
+    if sessions is not None:
+        try:
+            lengths = TurnLengths.from_data_dir(resolve_data_dir(args.data_dir)).describe()
+        except DataDirNotFoundError:
+            lengths = TurnLengths().describe()
     return {"command": args.command, "dataset": args.dataset, "data_dir": args.data_dir,
             "num_requests": args.num_requests, "output_lengths": args.output_lengths, "arrivals": spec,
-            "slo": args.slo, "model": args.model}
+            "slo": args.slo, "model": args.model, "sessions": sessions, "session_lengths": lengths}
 
 
 def _print_summary(title: str, summary: Summary) -> None:
@@ -386,16 +444,24 @@ async def _live(args: argparse.Namespace, plan: list[tuple[float, Request]],
         if model is None:
             raise UsageError(f"{args.target}/v1/models lists no model; pass --model")
         options = LiveOptions(target=args.target, model=model, max_concurrency=spec.max_concurrency,
-                              request_timeout_s=args.request_timeout_s, api_key=args.api_key)
+                              request_timeout_s=args.request_timeout_s, api_key=args.api_key,
+                              vocab_size=args.vocab_size, turns_after_response=not args.planned_turns)
         return await run_live(plan, options, progress=not args.no_progress, session=session), model
 
 
-def _report_live(args: argparse.Namespace, spec: ArrivalSpec, result: LiveResult, model: str) -> int:
+def _report_live(args: argparse.Namespace, spec: ArrivalSpec, result: LiveResult, model: str,
+                 requests: Sequence[Request]) -> int:
     summary = summarize(result.outcomes, result.duration_s, _slo(args))
     _print_summary(f"live: {args.target}", summary)
-    config = {**_base_config(args, spec), "model": model, "target": args.target, "tokenizer": args.tokenizer}
-    _write(args, {**summary.to_dict(), "timeline": result.timeline}, config, result.outcomes, result.timeline,
-           f"live {args.dataset} -> {args.target}")
+    fidelity = block_fidelity(requests, result.outcomes)
+    if fidelity is not None:
+        share = "-" if fidelity["fidelity"] is None else f"{fidelity['fidelity']:.1%}"
+        print(f"{'Block fidelity (token ids):':<36}{share} ({fidelity['exact_blocks']} of "
+              f"{fidelity['planned_blocks']} planned 512-token blocks)")
+    config = {**_base_config(args, spec), "model": model, "target": args.target, "tokenizer": args.tokenizer,
+              "vocab_size": args.vocab_size, "planned_turns": args.planned_turns}
+    _write(args, {**summary.to_dict(), "timeline": result.timeline, "block_fidelity": fidelity}, config,
+           result.outcomes, result.timeline, f"live {args.dataset} -> {args.target}")
     return 0 if summary.completed else 1
 
 
@@ -741,9 +807,11 @@ def main(argv: Sequence[str] | None = None, *, loop_factory: LoopFactory | None 
         _cascade_plan(args)
         requests = load_requests(args, tokenizer, synthesize=args.command == "run")
         if args.command == "run":
+            args.vocab_size = args.vocab_size or tokenizer.vocab_size
+            check_block_vocab(requests, args.vocab_size)
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 result, model = runner.run(_live(args, schedule(requests, spec), spec))
-            return _report_live(args, spec, result, model)
+            return _report_live(args, spec, result, model, requests)
         if args.command == "simulate":
             return _simulate(args, requests, spec)
         return _compare(args, requests, spec)

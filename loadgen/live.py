@@ -6,8 +6,16 @@ the trace forces one), preparing token-count-only traces for live replay (a synt
 ``prompt_tokens`` tokens as the target's tokenizer counts them, sent as completions text so no chat template
 adds tokens), the per-request measurement (vLLM ``bench serve``'s: TTFT = first chunk with content, ITL = gaps
 between content chunks, E2E = send to end of stream, output tokens from the usage chunk), the arrival loop
-(sleep until each send time, a semaphore for ``max_concurrency``), the one-second timeline of in-flight
-requests and output throughput, and the optional tqdm bar.
+(sleep until each send time, a semaphore for ``max_concurrency``; a session's next turn, by default, waits
+for the previous turn's response and then its think time), the one-second timeline of in-flight requests and
+output throughput, the block fidelity of block prompts, and the optional tqdm bar.
+
+Block prompts (``mooncake-*``, ``sessions``: ``metadata["hash_ids"]``) are built at dispatch, as the simulator
+builds them (``prompt_ids_of`` with ``LiveOptions.vocab_size``), and always sent as token ids to
+``/v1/completions`` (``prompt: [ids]``): chat takes text only, and no text is known to tokenize to exactly
+those blocks. Their block fidelity is the share of the completed requests' planned 512-token blocks that the
+server took as planned: all of a request's blocks when its reported ``prompt_tokens`` equals the ids sent
+(a server that adds a token, e.g. a BOS, shifts every block), none otherwise.
 Must not: compute summaries (``loadgen.metrics``), write files, parse command lines, or read time other than
 through the injected ``Clock``.
 
@@ -30,6 +38,8 @@ import orjson
 
 from engine_agent.tokenization import Tokenizer
 from loadgen.datasets import Request, fill_prompts
+from loadgen.datasets.mooncake import HASH_IDS, check_vocab, prompt_ids_of
+from loadgen.datasets.sessions import AFTER_REQUEST_ID, THINK_TIME_S
 from loadgen.metrics import Outcome
 from switchyard.clock import Clock, MonotonicClock
 
@@ -71,8 +81,14 @@ def prepare_requests(requests: Sequence[Request], tokenizer: EngineTokenizer, *,
     ``synthesize``; the simulator needs only the count) a prompt text of exactly ``prompt_tokens`` tokens and
     no messages, so they go as completions; text requests whose count was a byte estimate get the exact count
     the engine will see (chat template included)."""
-    count_only = [r.prompt is None and r.messages is None and r.prompt_token_ids is None for r in requests]
-    filled = fill_prompts(requests, seed=seed, tokenizer=tokenizer) if synthesize else list(requests)
+    blocks = [_hash_ids(r) is not None for r in requests]  # built at dispatch (request_body)
+    count_only = [r.prompt is None and r.messages is None and r.prompt_token_ids is None and not b
+                  for r, b in zip(requests, blocks, strict=True)]
+    filled = list(requests)
+    if synthesize:
+        others = iter(fill_prompts([r for r, b in zip(requests, blocks, strict=True) if not b], seed=seed,
+                                   tokenizer=tokenizer))
+        filled = [r if b else next(others) for r, b in zip(requests, blocks, strict=True)]
     out: list[Request] = []
     for request, synthesized in zip(filled, count_only, strict=True):
         if synthesized and synthesize:
@@ -88,10 +104,34 @@ def prepare_requests(requests: Sequence[Request], tokenizer: EngineTokenizer, *,
     return out
 
 
-def request_body(request: Request, model: str) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of the streaming OpenAI request that replays ``request``."""
+def _hash_ids(request: Request) -> tuple[int, ...] | None:
+    """The block ids of a block prompt still to build, else None."""
+    hash_ids = request.metadata.get(HASH_IDS)
+    if not isinstance(hash_ids, tuple) or request.prompt_token_ids is not None or request.prompt is not None:
+        return None
+    return hash_ids
+
+
+def check_block_vocab(requests: Sequence[Request], vocab_size: int) -> None:
+    """ValueError unless ``vocab_size`` ids encode every block prompt's block ids (checked before a run, so
+    no request fails at dispatch)."""
+    ids = [max(h) for h in map(_hash_ids, requests) if h]
+    if ids:
+        check_vocab(max(ids), vocab_size)
+
+
+def request_body(request: Request, model: str, vocab_size: int | None = None) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of the streaming OpenAI request that replays ``request``; a block prompt's token ids
+    are built here from its ``hash_ids``, which needs ``vocab_size``."""
     body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
-    if request.messages is not None:
+    hash_ids = _hash_ids(request)
+    if hash_ids is not None:
+        if vocab_size is None:
+            raise ValueError(f"request {request.request_id}: a block prompt (hash_ids) is sent as token ids, "
+                             f"which needs the model's vocabulary size (--vocab-size)")
+        path = "/v1/completions"
+        body["prompt"] = list(prompt_ids_of(hash_ids, request.prompt_tokens, vocab_size))
+    elif request.messages is not None:
         path = "/v1/chat/completions"
         body["messages"] = [{"role": role, "content": content} for role, content in request.messages]
     elif request.prompt is not None:
@@ -121,13 +161,17 @@ def chunk_content(chunk: dict[str, Any]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class LiveOptions:
-    """Where and how to send: base URL (``http://host:port``), model, in-flight cap, per-request timeout."""
+    """Where and how to send: base URL (``http://host:port``), model, in-flight cap, per-request timeout, the
+    vocabulary block prompts are built in, and whether a session's turn waits for the previous response
+    (``turns_after_response``; False: every request at its planned time, as the simulator does)."""
 
     target: str
     model: str
     max_concurrency: int | None = None
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    vocab_size: int | None = None
+    turns_after_response: bool = True
 
 
 @dataclass
@@ -172,7 +216,7 @@ async def send_one(
 ) -> Outcome:
     """Send ``request`` and measure it; any failure (HTTP status, stream error, exception) is a failed
     outcome with its message, never an exception."""
-    path, body = request_body(request, options.model)
+    path, body = request_body(request, options.model, options.vocab_size)
     headers = {"content-type": "application/json"}
     if request.session_id:
         headers["x-session-id"] = request.session_id
@@ -273,9 +317,16 @@ async def run_live(
     bar = _progress_bar(len(schedule), progress)
     timeline: list[dict[str, float]] = []
     outcomes: list[Outcome | None] = [None] * len(schedule)
+    ended = _turn_ends(schedule) if options.turns_after_response else {}
     run_start = clk.now()
 
     async def one(index: int, at_s: float, request: Request) -> None:
+        previous = request.metadata.get(AFTER_REQUEST_ID)
+        after = ended.get(previous) if isinstance(previous, str) else None
+        if after is not None:  # the session's previous turn: its response, then the think time
+            await after.done.wait()
+            think_s = request.metadata.get(THINK_TIME_S)
+            at_s = after.end_s + (float(think_s) if isinstance(think_s, int | float) else 0.0)
         delay_s = at_s - (clk.now() - run_start)
         if delay_s > 0:
             await asyncio.sleep(delay_s)
@@ -290,6 +341,10 @@ async def run_live(
                 limit.release()
             if bar is not None:
                 bar.update(1)
+            mine = ended.get(request.request_id)
+            if mine is not None:
+                mine.end_s = clk.now() - run_start
+                mine.done.set()
 
     try:
         sampler = asyncio.create_task(_sample_timeline(tracker, clk, run_start, timeline))
@@ -309,6 +364,41 @@ async def run_live(
     duration_s = end - run_start  # vLLM's benchmark duration: run start to the last request's end
     done = [o for o in outcomes if o is not None]
     return LiveResult(outcomes=done, duration_s=max(duration_s, 1e-9), timeline=timeline)
+
+
+@dataclass
+class _TurnEnd:
+    """A request a later one follows: ``done`` is set when it has ended, at ``end_s`` run seconds."""
+
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    end_s: float = 0.0
+
+
+def _turn_ends(schedule: Sequence[tuple[float, Request]]) -> dict[str, _TurnEnd]:
+    """A ``_TurnEnd`` for each request in ``schedule`` that another one follows (``AFTER_REQUEST_ID``)."""
+    ids = {request.request_id for _, request in schedule}
+    followed = {r.metadata[AFTER_REQUEST_ID] for _, r in schedule if AFTER_REQUEST_ID in r.metadata}
+    return {rid: _TurnEnd() for rid in ids if rid in followed}
+
+
+def block_fidelity(requests: Sequence[Request], outcomes: Sequence[Outcome]) -> dict[str, Any] | None:
+    """The block fidelity of a run's block prompts (module docstring), over its completed requests; None when
+    the run has no block prompt. {prompt_form, requests, planned_blocks, exact_blocks, fidelity}."""
+    by_id = {r.request_id: r for r in requests}
+    counted = planned = exact = 0
+    for outcome in outcomes:
+        request = by_id.get(outcome.request_id)
+        hash_ids = _hash_ids(request) if request is not None else None
+        if request is None or hash_ids is None or not outcome.success:
+            continue
+        counted += 1
+        planned += len(hash_ids)
+        if outcome.prompt_tokens == request.prompt_tokens:
+            exact += len(hash_ids)
+    if not any(_hash_ids(r) for r in requests):
+        return None
+    return {"prompt_form": "token_ids", "requests": counted, "planned_blocks": planned, "exact_blocks": exact,
+            "fidelity": exact / planned if planned else None}
 
 
 async def wait_gateway_ready(

@@ -14,6 +14,7 @@ from loadgen.datasets.request import (
     estimate_tokens,
     text_request,
 )
+from loadgen.datasets.sessions import SessionSpec, TurnLengths, session_requests
 from loadgen.datasets.star_lengths import OUTPUT_LENGTH_DISTRIBUTIONS, LengthDistribution, with_output_lengths
 from loadgen.datasets.synth import fill_prompts, synthesize_prompt_text, synthesize_prompt_token_ids
 from loadgen.datasets.text import DatasetFormatError, alpaca_prompt
@@ -28,7 +29,9 @@ __all__ = [
     "LengthDistribution",
     "Message",
     "Request",
+    "SessionSpec",
     "TokenizerLike",
+    "TurnLengths",
     "alpaca_prompt",
     "count_tokens",
     "dataset_names",
@@ -37,6 +40,7 @@ __all__ = [
     "fill_prompts",
     "load_dataset",
     "parse_azure_timestamp_ticks",
+    "session_requests",
     "synthesize_prompt_text",
     "synthesize_prompt_token_ids",
     "text_request",

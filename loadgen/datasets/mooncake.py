@@ -91,13 +91,20 @@ def _filler(vocab_size: int) -> tuple[int, ...]:
     return tuple(int(t) for t in FIRST_ID + rng.integers(0, span, BLOCK_TOKENS - 2))
 
 
-def block_token_ids(hash_id: int, vocab_size: int) -> tuple[int, ...]:
-    """The 512 token ids of block `hash_id` (see the module docstring)."""
+def check_vocab(max_hash_id: int, vocab_size: int) -> None:
+    """ValueError unless a vocabulary of `vocab_size` ids encodes every block id up to `max_hash_id`."""
     span = vocab_size - FIRST_ID
     if span <= 1:
         raise ValueError(f"vocab_size {vocab_size} leaves no ids above the {FIRST_ID} reserved ones")
-    if hash_id >= span * span:
-        raise ValueError(f"hash id {hash_id} needs a vocabulary above {FIRST_ID + int(hash_id ** 0.5) + 1}")
+    if max_hash_id >= span * span:
+        raise ValueError(f"hash id {max_hash_id} needs a vocabulary above "
+                         f"{FIRST_ID + int(max_hash_id ** 0.5) + 1}, got vocab_size {vocab_size}")
+
+
+def block_token_ids(hash_id: int, vocab_size: int) -> tuple[int, ...]:
+    """The 512 token ids of block `hash_id` (see the module docstring)."""
+    check_vocab(hash_id, vocab_size)
+    span = vocab_size - FIRST_ID
     return (FIRST_ID + hash_id // span, FIRST_ID + hash_id % span) + _filler(vocab_size)
 
 

@@ -2,7 +2,8 @@
 
 Owns: the name -> (file, loader) table, resolution of ``sharegpt:PATH`` / ``jsonl:PATH``, the deterministic
 shuffle of untimed datasets, the ``[start_s, start_s + duration_s)`` window of timed ones, ``num_requests``
-truncation, and prompt synthesis for token-count-only traces.
+truncation, and prompt synthesis for token-count-only traces. ``sessions`` is generated, not read
+(``loadgen.datasets.sessions``; its lengths come from ShareGPT files under the data root when present).
 Must not: decide arrival times (``loadgen.arrivals``), talk to a gateway, or find the data root
 (``loadgen.paths``).
 """
@@ -18,6 +19,7 @@ import numpy as np
 
 from loadgen.datasets.mooncake import load_mooncake
 from loadgen.datasets.request import Request, TokenizerLike
+from loadgen.datasets.sessions import SessionSpec, TurnLengths, session_requests
 from loadgen.datasets.synth import fill_prompts, lognormal_requests
 from loadgen.datasets.text import load_alpaca, load_custom_jsonl, load_questions, load_sharegpt
 from loadgen.datasets.traces import load_azure_csv, load_length_csv, read_decode_lengths
@@ -49,12 +51,13 @@ DATASETS: tuple[DatasetSpec, ...] = (
 )
 PATH_PREFIXES = ("sharegpt:", "jsonl:")
 SYNTH_PREFIX = "synth:"
+SESSIONS = "sessions"
 
 
 def dataset_names() -> tuple[str, ...]:
     """Every accepted name; ``sharegpt:PATH`` and ``jsonl:PATH`` take a file path as well, ``synth:`` the
     means of its lognormal lengths."""
-    return (tuple(spec.name for spec in DATASETS) + tuple(p + "PATH" for p in PATH_PREFIXES)
+    return (tuple(spec.name for spec in DATASETS) + (SESSIONS,) + tuple(p + "PATH" for p in PATH_PREFIXES)
             + (SYNTH_PREFIX + "in=N,out=N[,sigma=S,n=COUNT]",))
 
 
@@ -70,6 +73,7 @@ def load_dataset(
     tokenizer: TokenizerLike | None = None,
     vocab_size: int | None = None,
     exclude_ids: Sequence[int] = (),
+    sessions: SessionSpec | None = None,
 ) -> list[Request]:
     """Load ``name`` and return the requests to replay.
 
@@ -79,13 +83,20 @@ def load_dataset(
     Untimed datasets are shuffled with ``seed`` (unless ``shuffle=False``; several files are sorted, e.g.
     sg_90k longest first) and cut to ``num_requests``; a window on them is an error. Token-count-only requests
     get a synthetic prompt of exactly ``prompt_tokens`` tokens: text with ``tokenizer``, else ids with
-    ``vocab_size``, else none (the runner synthesises later).
+    ``vocab_size``, else none (the runner synthesises later). ``sessions`` parameterises the ``sessions``
+    dataset (default ``SessionSpec()``), a timed one; any other dataset refuses it.
     """
+    if sessions is not None and name != SESSIONS:
+        raise ValueError(f"session parameters apply to the {SESSIONS!r} dataset, not {name!r}")
     if num_requests is not None and num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
     if start_s < 0 or (duration_s is not None and duration_s <= 0) or not math.isfinite(start_s):
         raise ValueError(f"window must have start_s >= 0 and duration_s > 0, got {start_s=}, {duration_s=}")
-    requests = _load_all(name, data_dir, seed=seed, tokenizer=tokenizer)
+    if name == SESSIONS:
+        lengths = TurnLengths.from_data_dir(data_dir)
+        requests = session_requests(sessions or SessionSpec(), seed=seed, lengths=lengths)
+    else:
+        requests = _load_all(name, data_dir, seed=seed, tokenizer=tokenizer)
     timed = bool(requests) and requests[0].arrival_s is not None
     if timed:
         end_s = math.inf if duration_s is None else start_s + duration_s
