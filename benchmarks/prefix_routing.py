@@ -9,11 +9,14 @@ prompts are longer: every prompt is cut to its first whole 512-token blocks that
 its start). The share of requests cut and of prompt tokens kept is in the output.
 SLO: TTFT 2 s (the issue's "TTFT SLO"; no TPOT target). Attainment is over all arrivals.
 
-    sweep     on mooncake-synth (training): the speedup where round robin's attainment is nearest 65 %
-              (the middle of the issue's 50-80 % band; speedups on a sqrt(2) grid), then every arm of the
-              grid below at that speedup; each policy's chosen parameters maximise attainment, ties broken by
-              prefix hit rate. Output: benchmarks/prefix_routing_sweep.json (committed: the defaults of
-              `kv_aware`, `approx_prefix` and PRISM's prefix factor come from it).
+    sweep     on the two training workloads, mooncake-synth and `sessions` (loadgen's multi-turn chats: a
+              shared 2,048-token system prompt, growing histories, ShareGPT turn lengths; 600 sessions of up
+              to 6 turns starting at 1/s, 3 s think time, replayed by planned time): per workload the speedup
+              where round robin's attainment is nearest 65 % (the middle of the issue's 50-80 % band), then
+              every arm of the grid below at that speedup; each policy's chosen parameters maximise the mean
+              attainment over both workloads, ties broken by the mean prefix hit rate. Output:
+              benchmarks/prefix_routing_sweep.json (committed: the defaults of `kv_aware`, `approx_prefix` and
+              PRISM's prefix factor come from it).
     compare   on mooncake-conv (evaluation; nothing was chosen on it): the speedup found the same way for
               round robin, then round robin, least loaded, session affinity, PRISM, approx_prefix, kv_aware
               and PRISM with the prefix factor, side by side on the same requests and seed: prefix hit rate
@@ -54,9 +57,12 @@ CONTEXT_TOKENS = 8192
 SLO_TTFT_MS = 2000.0
 TARGET_RR = (0.5, 0.8)  # the band for round robin's attainment
 TRAIN, EVAL = "mooncake/synthetic_trace.jsonl", "mooncake/conversation_trace.jsonl"
+SESSIONS = "sessions"  # the generated training workload (loadgen.datasets.sessions)
+SESSION_COUNT, SESSION_RATE_PER_S = 600, 1.0
 
 SWEEP_ARMS: dict[str, list[dict[str, Any]]] = {
-    "kv_aware": [{"overlap_weight": w, "balance_abs": b} for w in (1.0, 2.0, 4.0, 8.0) for b in (8.0, 32.0)]
+    "kv_aware": [{"overlap_weight": w, "balance_abs": b} for w in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+                 for b in (8.0, 32.0)]
     + [{"overlap_weight": w, "load": "inflight"} for w in (2.0, 4.0)],
     "approx_prefix": [{"cache_threshold": t, "balance_abs": b} for t in (0.3, 0.5, 0.7) for b in (8.0, 32.0)],
     "prism": [{"prefix": True, "affinity_bonus": a} for a in (1.5, 3.0, 6.0)]
@@ -82,10 +88,18 @@ def _chosen() -> dict[str, dict[str, Any]]:
 
 def _requests(relative: str, count: int, data_dir: str | None) -> tuple[list[Any], dict[str, Any]]:
     from loadgen.datasets.mooncake import fit_context, load_mooncake  # noqa: PLC0415
+    from loadgen.datasets.sessions import SessionSpec, TurnLengths, session_requests  # noqa: PLC0415
     from loadgen.paths import resolve_data_dir  # noqa: PLC0415
 
-    path = resolve_data_dir(data_dir) / relative
-    raw = load_mooncake(path, name=Path(relative).stem)[:count]
+    root = resolve_data_dir(data_dir)
+    if relative == SESSIONS:
+        lengths = TurnLengths.from_data_dir(root)
+        spec = SessionSpec(sessions=SESSION_COUNT, rate_per_s=SESSION_RATE_PER_S,
+                           max_session_tokens=CONTEXT_TOKENS)
+        raw = session_requests(spec, seed=0, lengths=lengths)[:count]
+        return raw, {"trace": SESSIONS, "requests": len(raw), "sessions": SESSION_COUNT,
+                     "session_rate_per_s": SESSION_RATE_PER_S, "lengths": lengths.describe()}
+    raw = load_mooncake(root / relative, name=Path(relative).stem)[:count]
     fitted, cut = fit_context(raw, CONTEXT_TOKENS)
     kept = sum(r.prompt_tokens for r in fitted) / max(1, sum(r.prompt_tokens for r in raw))
     return fitted, {"trace": relative, "requests": len(fitted), "cut_requests": cut,
@@ -169,23 +183,32 @@ def _write(args: argparse.Namespace, what: str, trace_info: dict[str, Any], spee
 
 def sweep(args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    requests, trace_info = _requests(TRAIN, args.requests, args.data_dir)
-    del requests
+    infos, speeds, calibrations, rows = {}, {}, {}, []
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-        speed, calibration = calibrate(TRAIN, args.requests, args.data_dir, pool)
-        tasks = [(TRAIN, args.requests, args.data_dir, speed, policy, params)
-                 for policy, grid in SWEEP_ARMS.items() for params in grid]
-        rows = pool.map(run_arm, [(TRAIN, args.requests, args.data_dir, speed, "round_robin", {}), *tasks])
-    chosen = {}
-    for policy in SWEEP_ARMS:
-        candidates = [r for r in rows if r["policy"] == policy and r["params"]]
-        chosen[policy] = max(candidates, key=_rank)["params"]
+        for workload in (TRAIN, SESSIONS):
+            _, infos[workload] = _requests(workload, args.requests, args.data_dir)
+            speed, calibrations[workload] = calibrate(workload, args.requests, args.data_dir, pool)
+            speeds[workload] = speed
+            tasks = [(workload, args.requests, args.data_dir, speed, policy, params)
+                     for policy, grid in SWEEP_ARMS.items() for params in grid]
+            baseline = (workload, args.requests, args.data_dir, speed, "round_robin", {})
+            got = pool.map(run_arm, [baseline, *tasks])
+            rows += [{"workload": workload, **r} for r in got]
+    chosen, means = {}, []
+    for policy, grid in SWEEP_ARMS.items():
+        for params in grid:
+            mine = [r for r in rows if r["policy"] == policy and r["params"] == params]
+            means.append({"policy": policy, "params": params,
+                          "slo_attainment": sum(r["slo_attainment"] for r in mine) / len(mine),
+                          "prefix_hit_rate": sum(r["prefix_hit_rate"] or 0.0 for r in mine) / len(mine)})
+        chosen[policy] = max((m for m in means if m["policy"] == policy), key=_rank)["params"]
     for r in rows:
-        print(f"  {r['policy']:14s} {str(r['params']):70s} att {r['slo_attainment']:.3f} "
+        print(f"  {r['workload'][:14]:14s} {r['policy']:14s} {str(r['params']):62s} "
+              f"att {r['slo_attainment']:.3f} "
               f"hit {r['prefix_hit_rate']:.3f} p99 TTFT {r['p99_ttft_ms']:.0f} ms")
     print("chosen:", chosen)
-    _write(args, "weight sweep on the training trace", trace_info, speed, calibration, started,
-           rows=rows, chosen=chosen)
+    _write(args, "weight sweep on the training workloads", infos, speeds, calibrations, started,
+           rows=rows, means=means, chosen=chosen)
 
 
 def compare(args: argparse.Namespace) -> None:

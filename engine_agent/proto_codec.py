@@ -166,7 +166,8 @@ def engine_state(
     the backend has started, and not while draining); with `star` (a push that follows a new STAR round), the
     round's `predictions` and `future_load` (otherwise both stay empty / unset). `qoe` is set once the backend
     has a fit (CascadeInfer's online D), unset before. `kv_events`: the prefix-cache events this push carries
-    (None: none, `kv_events` stays unset), keyed over `kv_span_tokens`-token index blocks."""
+    (None: none, `kv_events` stays unset), keyed over `kv_span_tokens`-token index blocks, which a resync
+    (`cleared`) states and a delta leaves out (3 bytes a push: the stream's resync fixed it)."""
     lens = stats.lens
     state = pb.EngineState(
         identity=identity,
@@ -220,7 +221,8 @@ def engine_state(
         kv.stored.extend(kv_events.stored)
         kv.removed.extend(kv_events.removed)
         kv.cleared = kv_events.cleared
-        kv.span_tokens = kv_span_tokens
+        if kv_events.cleared:
+            kv.span_tokens = kv_span_tokens
     return state
 
 

@@ -409,7 +409,8 @@ class EngineRequestError(ValueError):
 class KvEvents:
     """An engine's prefix-cache events in one report: index-block keys (`switchyard.prefix`, chained over
     `span_tokens`-token blocks) stored and evicted since the previous report of the stream; `cleared`: forget
-    what the engine held before (a resync: `stored` lists all it holds)."""
+    what the engine held before (a resync: `stored` lists all it holds, and `span_tokens` is stated there
+    only, for the rest of the stream)."""
 
     stored: tuple[int, ...] = ()
     removed: tuple[int, ...] = ()

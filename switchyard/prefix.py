@@ -2,8 +2,8 @@
 
 Owns: `block_keys` (the hash chain over a prompt's full blocks of token ids, vLLM's scheme: a block's key
 covers its tokens and its parent's key, so equal keys mean equal prefixes up to and including that block),
-`INDEX_SPAN_TOKENS` (the span of one gateway index block) and `span_of` (how many engine blocks one index
-block covers).
+`INDEX_SPAN_TOKENS` (the span of one gateway index block), `span_of` (how many engine blocks one index
+block covers), and which index blocks are indexed at all (`is_indexed`, `index_keys`, `indexed_tokens`).
 Must not: hold state, read clocks or do I/O.
 
 Two granularities use the same function:
@@ -15,9 +15,22 @@ Two granularities use the same function:
   the fine one (measured: 140 us against 290 us for a 12,000-token prompt in CPython) and 16x smaller to
   index, at the price of not counting up to 255 tokens at the end of a cached prefix.
 
-Keys are Python's `hash` of `(parent key, block tuple)` masked to 64 bits: deterministic across processes and
+Not every index block is indexed (`INDEX_TIERS`): all of the first four (the first 1,024 tokens, where shared
+system prompts end), then one in four up to 4,096 tokens, then one in eight (one key per 2,048 tokens). A key
+still chains every 256-token block before it, so holding the k-th indexed key means holding the whole prefix
+up to it; a match is exact to 256 tokens on short prompts, to 1,024 up to 4,096 tokens and to 2,048 beyond
+(a quarter of an 8,192-token prompt at worst). Why: KV events are one key per indexed block stored or
+evicted, and on long-prompt traffic they outweighed the state they ride on (`benchmarks/prefix_routing.py
+traffic`, mooncake-conv, kv_aware: 26 % of the stream's bytes with every block indexed and 64-bit keys,
+4.3 % with these tiers, 32-bit keys and the span stated once per stream; the budget is 5 %). The simulated
+prefix hit rate went from 0.330 to 0.328 at the same weights.
+
+Keys are Python's `hash` of `(parent key, block tuple)` masked to 32 bits: deterministic across processes and
 machines for integer tuples (PYTHONHASHSEED randomises only str and bytes), so an agent and the gateway agree
-without exchanging anything but the keys.
+without exchanging anything but the keys. 32 bits, not 64: half the event bytes and index memory. The index
+is advisory (an engine's own cache checks full hashes, so a wrong guess costs a miss, never a wrong answer),
+and a collision misleads only when a request's next key equals another block held by an engine that already
+matched the request so far: at 20,000 keys held per engine about 5 in a million lookups.
 """
 
 from __future__ import annotations
@@ -26,7 +39,10 @@ from collections.abc import Sequence
 
 # Tokens per gateway index block: a multiple of every KV block size vLLM offers (16, 32, 64, 128).
 INDEX_SPAN_TOKENS = 256
-KEY_MASK = (1 << 64) - 1
+# Which index blocks are indexed: (up to this many index blocks from the prompt's start, one in this many),
+# the last tier open-ended. Index block j is indexed when j + 1 is a multiple of its tier's stride.
+INDEX_TIERS: tuple[tuple[int | None, int], ...] = ((4, 1), (16, 4), (None, 8))
+KEY_MASK = (1 << 32) - 1
 ROOT_KEY = 0  # the parent of a prompt's first block
 
 
@@ -53,3 +69,31 @@ def span_of(block_size: int, span_tokens: int = INDEX_SPAN_TOKENS) -> int:
         raise ValueError(f"a KV block of {block_size} tokens does not divide the {span_tokens}-token index "
                          f"span")
     return span_tokens // block_size
+
+
+def is_indexed(j: int) -> bool:
+    """Whether index block `j` (0-based, `INDEX_SPAN_TOKENS` tokens each) has a key in the gateway's index."""
+    n = j + 1
+    for limit, stride in INDEX_TIERS:
+        if limit is None or n <= limit:
+            return n % stride == 0
+    return False  # unreachable: the last tier has no limit
+
+
+def index_keys(token_ids: Sequence[int]) -> list[int]:
+    """The keys of a prompt's indexed blocks, in order: what the gateway matches and records."""
+    keys = block_keys(token_ids, INDEX_SPAN_TOKENS)
+    return [key for j, key in enumerate(keys) if is_indexed(j)]
+
+
+def indexed_tokens(count: int) -> int:
+    """The prompt tokens covered by the first `count` indexed keys (a match of `count` keys)."""
+    left, covered = count, 0  # keys still to place; index blocks covered by the tiers passed
+    if left <= 0:
+        return 0
+    for limit, stride in INDEX_TIERS:
+        if limit is None or left <= limit // stride - covered // stride:
+            return (covered // stride + left) * stride * INDEX_SPAN_TOKENS
+        left -= limit // stride - covered // stride
+        covered = limit
+    raise AssertionError("the last tier has no limit")

@@ -63,7 +63,7 @@ from engine_agent.sim.sequence import LCG_INC as _LCG_INC
 from engine_agent.sim.sequence import LCG_MUL as _LCG_MUL
 from engine_agent.sim.sequence import MASK64 as _MASK64
 from switchyard.perf_model import PerfCoefficients, iteration_time_s
-from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys, span_of
+from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys, is_indexed, span_of
 from switchyard.profiles import Profile
 
 
@@ -572,7 +572,8 @@ class SimEngine(EngineMigration):
         full = min(computed // self._profile.block_size, len(keys))
         for j in range(seq.hashed, full):
             end = j + 1
-            index_key = index_keys[end // span - 1] if span and end % span == 0 else None
+            index_key = (index_keys[end // span - 1]
+                         if span and end % span == 0 and is_indexed(end // span - 1) else None)
             if cache.insert(keys[j], index_key):
                 seq.held.append(keys[j])
         seq.hashed = full

@@ -16,9 +16,10 @@ differences from vLLM, both deliberate:
 - Only prompt blocks are cached, not blocks of generated tokens: in the simulator a later turn's prompt is
   given by its trace, never by the tokens this engine drew.
 
-Events are kept at the gateway's index granularity: only engine blocks at the end of an index span
-(`switchyard.prefix.span_of`) carry an index key, and storing or evicting one is an event. A batch is netted:
-a key stored and removed between two drains is not reported, one removed and stored again is not either.
+Events are kept at the gateway's index granularity: only engine blocks at the end of an indexed span
+(`switchyard.prefix.span_of`, `is_indexed`) carry an index key, and storing or evicting one is an event. A
+batch is netted: a key stored and removed between two drains is not reported, one removed and stored again is
+not either.
 An engine keeps events only when it is asked to (`SimEngine(kv_events=True)`): undrained, they would grow with
 every key ever evicted.
 """

@@ -177,7 +177,7 @@ class ClusterState:
         # this gateway's dispatches (sent: an LRU per engine sized to its KV capacity).
         self._reported = PrefixIndex(prefix_max_keys)
         self._sent = PrefixIndex(prefix_max_keys)
-        self.kv_events_ignored = 0  # event batches keyed over another span than this gateway's
+        self.kv_events_ignored = 0  # event batches not applied: a resync over another span, or its deltas
 
     # ---- membership and lifecycle events -----------------------------------------------------------------
 
@@ -248,11 +248,17 @@ class ClusterState:
             state.future_load = report.future_load
         kv = report.kv_events
         if kv is not None:
-            if kv.span_tokens != INDEX_SPAN_TOKENS:  # keys this gateway cannot compute: never matched
+            if kv.cleared:  # a resync: the stream's span is stated here, once
+                state.kv_events = kv.span_tokens == INDEX_SPAN_TOKENS
+                if state.kv_events:
+                    self._reported.apply(engine_id, kv.stored, kv.removed, True)
+                else:  # keys this gateway cannot compute: never matched, the engine's old keys dropped
+                    self._reported.clear(engine_id)
+                    self.kv_events_ignored += 1
+            elif state.kv_events:  # a stream's deltas count from an accepted resync on
+                self._reported.apply(engine_id, kv.stored, kv.removed)
+            else:
                 self.kv_events_ignored += 1
-            elif kv.cleared or state.kv_events:  # a stream's events count from its resync on
-                state.kv_events = True
-                self._reported.apply(engine_id, kv.stored, kv.removed, kv.cleared)
         if state.anchor_engine_ts_s is None or report.engine_timestamp_s > state.anchor_engine_ts_s:
             engine_ts_s = report.engine_timestamp_s
             if state.unreported:
@@ -313,12 +319,14 @@ class ClusterState:
 
     @staticmethod
     def _capacity_blocks(state: _Engine) -> int:
-        """The engine's KV capacity in index blocks (what the sent index keeps for it)."""
+        """The engine's KV capacity in indexed keys (what the sent index keeps for it): a cache of T tokens
+        holds T / 1,024 keys of long prompts and T / 256 of prompts under 1,024 tokens
+        (`switchyard.prefix.is_indexed`); T / 512 sits between."""
         desc, report = state.description, state.report
         if report is None or report.kv_blocks_total <= 0:
             return DEFAULT_SENT_CAPACITY_BLOCKS
         block_size = desc.block_size if desc is not None and desc.block_size > 0 else DEFAULT_BLOCK_SIZE
-        return max(1, report.kv_blocks_total * block_size // INDEX_SPAN_TOKENS)
+        return max(1, report.kv_blocks_total * block_size // (2 * INDEX_SPAN_TOKENS))
 
     def _tally(self, route: RouteTag) -> None:
         current = self._routes.get(route.model)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.domain import EngineId, EngineRequest, RequestFeatures
-from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys
+from switchyard.prefix import index_keys
 
 BYTES_PER_TOKEN = 4
 CHAT_TOKENS_PER_MESSAGE = 4  # role header and separators of a typical chat template
@@ -56,12 +56,12 @@ def estimate_prompt_tokens(request: EngineRequest) -> int:
 
 
 def prefix_keys_of(request: EngineRequest) -> tuple[int, ...]:
-    """The prompt's index-block keys (`switchyard.prefix`), for a request given as token ids; () for text and
-    chat prompts, which this gateway does not tokenize (their prefixes are not matched)."""
+    """The prompt's indexed-block keys (`switchyard.prefix.index_keys`), for a request given as token ids;
+    () for text and chat prompts, which this gateway does not tokenize (their prefixes are not matched)."""
     ids = request.prompt_token_ids
     if not ids:
         return ()
-    return tuple(block_keys(ids, INDEX_SPAN_TOKENS))
+    return tuple(index_keys(ids))
 
 
 def build_features(

@@ -59,7 +59,7 @@ Factors:
              at 1; dividing every score of the request by beta keeps S in (0, 1] and the same ranking.)
 Prefix (`prefix`, issue 18: the affinity factor generalised from sessions to any shared prefix): with the
   engines' KV events looked up (`prefix_source` "events"; `RequestFeatures.prefix_hits`), c_e =
-  min(hits_e x INDEX_SPAN_TOKENS, p) prompt tokens are cached on e, so e prefills only p_e = max(p - c_e, 1)
+  min(indexed_tokens(hits_e), p) prompt tokens are cached on e, so e prefills only p_e = max(p - c_e, 1)
   of them: p_e replaces p in t_first and rho_e (the cached prefix is priced as the prefill time it saves),
   and S_affinity = beta^(f_e - 1) with the overlap share f_e = c_e / p (1 on the session's engine): 1 for a
   fully cached prompt, 1 / beta for none, the session rule's two values at its two ends.
@@ -140,7 +140,7 @@ from gateway.domain import PREFIX_EVENTS, ClusterSnapshot, EngineId, EngineView,
 from gateway.policies.base import SHED, eligible
 from gateway.policies.params import NonNegative, NonNegativeFinite, PolicyParams, PositiveFinite
 from gateway.policies.static_weighted import gpu_class_weight
-from switchyard.prefix import INDEX_SPAN_TOKENS
+from switchyard.prefix import indexed_tokens
 
 CAPACITY_EPSILON = 1e-6
 # exp(-36) ~ 2e-16: past x = 1 + 36 kappa, log S_capacity is below double precision next to the other terms.
@@ -419,7 +419,7 @@ def _with_prefix(r: _Request, views: tuple[EngineView, ...], features: RequestFe
     hits = features.prefix_hits
     if p <= 0 or (not hits and r.session is None):
         return r
-    cached = np.array([min(hits.get(e.engine_id, 0) * INDEX_SPAN_TOKENS, p) for e in views], dtype=np.float64)
+    cached = np.array([min(indexed_tokens(hits.get(e.engine_id, 0)), p) for e in views], dtype=np.float64)
     overlap = cached * (1.0 / p)
     if r.session is not None:
         overlap = np.where(np.array([e.engine_id == r.session for e in views]), 1.0, overlap)

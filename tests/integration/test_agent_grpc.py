@@ -371,10 +371,12 @@ async def test_sigterm_drains_in_flight_stream(tmp_path: Path) -> None:
 async def test_watch_state_carries_prefix_cache_events(stub: pb_grpc.EngineAgentStub) -> None:
     """A watcher's first push resyncs (`cleared`); a later push carries the index blocks a computed prompt
     stored, keyed as the gateway keys them; a watcher that connects afterwards gets them in its resync."""
-    from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys
+    from switchyard.prefix import INDEX_SPAN_TOKENS, index_keys
 
-    ids = tuple(100 + (i * 7919) % 8000 for i in range(3 * INDEX_SPAN_TOKENS + 10))  # 3 index blocks
-    keys = block_keys(ids, INDEX_SPAN_TOKENS)
+    # 9 index blocks, of which 5 are indexed (the first four, then the eighth): a sparse key is reported too.
+    ids = tuple(100 + (i * 7919) % 8000 for i in range(9 * INDEX_SPAN_TOKENS + 10))
+    keys = index_keys(ids)
+    assert len(keys) == 5
     watch = stub.WatchState(pb.WatchStateRequest(interval_ms=20))
     try:
         first = await _state_until(watch, lambda s: True, 2.0)
@@ -402,4 +404,4 @@ async def test_watch_state_carries_prefix_cache_events(stub: pb_grpc.EngineAgent
     # The repeat hits the cached blocks: all but the last, partial block of 10 tokens.
     again = await _collect(stub.Generate(_gen("kv-events-again", 4, ids=ids)))
     assert again.finished is not None
-    assert again.finished.usage.cached_tokens >= 3 * INDEX_SPAN_TOKENS
+    assert again.finished.usage.cached_tokens >= 9 * INDEX_SPAN_TOKENS

@@ -8,7 +8,7 @@ import dataclasses
 from engine_agent.domain import BackendRequest, FinishEvent, KvDelta, RequestId, SamplingSpec
 from engine_agent.sim.engine import SimEngine, StepResult
 from engine_agent.sim.prefix_cache import PrefixCache
-from switchyard.prefix import INDEX_SPAN_TOKENS, block_keys, span_of
+from switchyard.prefix import INDEX_SPAN_TOKENS, KEY_MASK, block_keys, index_keys, indexed_tokens, span_of
 from switchyard.profiles import get_profile
 
 BASE = get_profile("h100-llama3-8b")
@@ -156,6 +156,22 @@ def test_index_events_are_emitted_at_span_ends_and_netted_per_drain() -> None:
     assert len(delta.stored) == 63 // span_of(BS)
     snapshot = e.kv_snapshot()
     assert snapshot.cleared and set(snapshot.stored) == set(delta.stored)
+
+
+def test_indexed_blocks_thin_out_with_depth_and_the_engine_reports_exactly_those() -> None:
+    ids = prompt(14, 31 * INDEX_SPAN_TOKENS + 5)  # index blocks 0..30
+    every = block_keys(ids, INDEX_SPAN_TOKENS)
+    keys = index_keys(ids)
+    # all of the first 4, one in 4 up to the 16th, one in 8 beyond
+    assert keys == [every[j] for j in (0, 1, 2, 3, 7, 11, 15, 23)]
+    assert all(0 <= k <= KEY_MASK for k in keys) and KEY_MASK == 2**32 - 1
+    # a match of n keys covers the prompt up to the n-th indexed block's end
+    spans = [indexed_tokens(n) // INDEX_SPAN_TOKENS for n in range(11)]
+    assert spans == [0, 1, 2, 3, 4, 8, 12, 16, 24, 32, 40]
+    e = engine()
+    e.add_request(request("a", ids, out=1), 0.0)
+    run(e)
+    assert e.drain_kv_events() == KvDelta(tuple(keys), (), False)
 
 
 def test_a_key_stored_and_removed_between_drains_is_not_reported() -> None:

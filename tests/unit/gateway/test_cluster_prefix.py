@@ -61,9 +61,12 @@ def test_reconnect_drops_the_engine_until_its_resync() -> None:
 
 def test_events_keyed_over_another_span_are_ignored_and_counted() -> None:
     state = fleet()
-    state.on_report(B, report(2, 10.1, B, KvEvents(KEYS, (), True, 128)), 10.1)
-    assert B not in state.prefix_match(KEYS, PREFIX_EVENTS, 10.1)
-    assert state.kv_events_ignored == 1
+    state.on_report(A, report(2, 10.1, A, KvEvents(KEYS, (), True, 128)), 10.1)
+    assert A not in state.prefix_match(KEYS, PREFIX_EVENTS, 10.1)  # its keys from the old span are gone too
+    # A delta states no span (the resync did): the rest of this stream is ignored as well.
+    state.on_report(A, report(3, 10.2, A, KvEvents(KEYS[3:], (), False, 0)), 10.2)
+    assert A not in state.prefix_match(KEYS, PREFIX_EVENTS, 10.2)
+    assert state.kv_events_ignored == 2
 
 
 def test_a_stale_engine_falls_back_to_what_was_sent_there() -> None:
@@ -78,13 +81,14 @@ def test_a_stale_engine_falls_back_to_what_was_sent_there() -> None:
 
 def test_the_sent_index_keeps_what_fits_in_the_engine_kv() -> None:
     state = fleet()
-    # 1,600 blocks of 16 tokens = 100 index blocks per engine: the oldest prompt's keys go first.
-    first = tuple(range(1000, 1060))
-    second = tuple(range(2000, 2060))
-    state.note_dispatch(A, "r1", 60 * INDEX_SPAN_TOKENS, 10, "", 10.0, prefix_keys=first)
-    state.note_dispatch(A, "r2", 60 * INDEX_SPAN_TOKENS, 10, "", 10.0, prefix_keys=second)
-    assert state.prefix_match(second, PREFIX_SENT, 10.0) == {A: 60}
-    assert state.prefix_match(first, PREFIX_SENT, 10.0) == {A: 40}  # its tail evicted first
+    # 1,600 blocks of 16 tokens = 25,600 tokens = 50 indexed keys (one per 512 tokens, ClusterState's
+    # middle between short and long prompts): the oldest prompt's keys go first.
+    first = tuple(range(1000, 1030))
+    second = tuple(range(2000, 2030))
+    state.note_dispatch(A, "r1", 3_000, 10, "", 10.0, prefix_keys=first)
+    state.note_dispatch(A, "r2", 3_000, 10, "", 10.0, prefix_keys=second)
+    assert state.prefix_match(second, PREFIX_SENT, 10.0) == {A: 30}
+    assert state.prefix_match(first, PREFIX_SENT, 10.0) == {A: 20}  # its tail evicted first
 
 
 def test_removing_an_engine_forgets_its_blocks() -> None:

@@ -167,9 +167,9 @@ DEFAULTS: list[tuple[str, type[PolicyParams], dict[str, Any]]] = [
         SessionAffinityParams,
         {"ttl_s": 600.0, "min_kv_free_ratio": 0.05, "fallback": "least_loaded", "fallback_params": {}},
     ),
-    ("kv_aware", KvAwareParams, {"balance_abs": 32.0, "balance_rel": 1.5, "overlap_weight": 8.0,
+    ("kv_aware", KvAwareParams, {"balance_abs": 32.0, "balance_rel": 1.5, "overlap_weight": 32.0,
                                  "load": "active", "index": "events"}),
-    ("approx_prefix", ApproxPrefixParams, {"balance_abs": 32.0, "balance_rel": 1.5, "cache_threshold": 0.7}),
+    ("approx_prefix", ApproxPrefixParams, {"balance_abs": 32.0, "balance_rel": 1.5, "cache_threshold": 0.3}),
 ]
 
 

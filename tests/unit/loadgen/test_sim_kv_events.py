@@ -21,9 +21,10 @@ ENGINE = EngineId("e0")
 
 
 def prompt(rng: random.Random) -> tuple[int, ...]:
-    """One of 6 shared heads (2 index blocks) + a private tail of 0-3 index blocks."""
+    """One of 6 shared heads (2 index blocks) + a private tail of 0-9 index blocks (past the fourth, one in
+    four is indexed)."""
     head = rng.randrange(6)
-    tail = rng.randrange(4) * INDEX_SPAN_TOKENS + rng.randrange(INDEX_SPAN_TOKENS)
+    tail = rng.randrange(10) * INDEX_SPAN_TOKENS + rng.randrange(INDEX_SPAN_TOKENS)
     salt = rng.randrange(1 << 30)
     return (tuple(100 + head * 7 + i % 50 for i in range(2 * INDEX_SPAN_TOKENS))
             + tuple(5000 + (salt + i) % 20_000 for i in range(tail)))
