@@ -31,7 +31,7 @@ proto: setup
 	$(BIN)/python -m switchyard.proto_gen.regen
 
 # The pure decision cores (no I/O, no clock): mypy --strict over them; tests/unit/test_typing.py runs the same in CI.
-MYPY_STRICT_PATHS := gateway/domain.py gateway/policies gateway/cluster/state.py gateway/cluster/health.py gateway/cluster/prefix_index.py switchyard/prefix.py engine_agent/kv_journal.py \
+MYPY_STRICT_PATHS := gateway/domain.py gateway/policies gateway/cluster/state.py gateway/cluster/health.py gateway/cluster/prefix_index.py switchyard/prefix.py engine_agent/kv_journal.py engine_agent/backends/vllm/kv_events.py \
 	gateway/dispatch/life.py gateway/dispatch/retry.py gateway/access gateway/admission/core.py \
 	gateway/dispatch/features.py engine_agent/domain.py engine_agent/sim engine_agent/lens gateway/rescheduling gateway/planning gateway/cascade/plan switchyard/hardware.py \
 	gateway/cascade/core.py gateway/cascade/quality.py gateway/cascade/judge_prompt.py switchyard/qoe.py \

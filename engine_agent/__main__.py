@@ -124,9 +124,14 @@ def build_agent_argparser(prog: str = "python -m engine_agent") -> argparse.Argu
     v.add_argument("--dtype", default=vd.dtype)
     v.add_argument("--gpu-memory-utilization", type=float, default=vd.gpu_memory_utilization)
     v.add_argument("--cpu-kv-cache-gb", type=float, default=vd.cpu_kv_cache_gb)
+    v.add_argument("--cpu-omp-threads-bind", default=vd.cpu_omp_threads_bind, metavar="CORES",
+                   help="CPU platform: cores for torch's OpenMP threads, e.g. '0-2' (default: all but "
+                        "the last when migration is on, else vLLM's choice)")
     v.add_argument("--tensor-parallel-size", type=int, default=vd.tensor_parallel_size)
     v.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile")
     v.add_argument("--no-migration", action="store_true", help="no NIXL KV connector (MigrateOut/In refused)")
+    v.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM without prefix caching (and so without KV events for the gateway's index)")
     v.add_argument(
         "--migration-kv-lease-s",
         type=float,
@@ -189,9 +194,11 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             dtype=args.dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+            cpu_omp_threads_bind=args.cpu_omp_threads_bind,
             tensor_parallel_size=args.tensor_parallel_size,
             enforce_eager=args.enforce_eager,
             enable_migration=not args.no_migration,
+            enable_prefix_caching=not args.no_prefix_caching,
             nixl_side_channel_host=args.nixl_host,
             nixl_side_channel_port=args.nixl_port,
             nixl_progress_thread=args.nixl_progress_thread,

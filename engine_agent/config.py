@@ -71,6 +71,8 @@ class VllmConfig(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     # KV migration over NIXL (NixlConnector, pull): the side channel this engine serves its metadata on.
     enable_migration: bool = True
+    # vLLM's prefix caching, and its KV events as the gateway's index keys (the `kv-events` capability).
+    enable_prefix_caching: bool = True
     nixl_side_channel_host: str = "127.0.0.1"
     nixl_side_channel_port: int | None = Field(default=None, ge=1, le=65535)  # None = agent port + 1000
     # UCX worker threads for NIXL; None = 0 (UCX default) on the CPU platform, vLLM's 4 on GPUs. Measured on 2

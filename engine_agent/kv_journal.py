@@ -1,10 +1,11 @@
 """The agent's prefix-cache event journal: one backend event source, any number of WatchState watchers.
 
-Owns: `merge` (several batches as one) and `KvJournal`, which takes the backend's drained `KvDelta` batches
-(`append`), keeps the set of index keys the engine holds now (applying every batch) and a bounded log of
-recent batches, and answers each watcher with what it has not seen (`since(cursor)`): the batches after its
-cursor merged into one, or, for a new watcher or one that fell behind the log, a resync (`cleared` and every
-key held now).
+Owns: `merge` (several batches as one), `KvMirror` (a backend's side of `KvEventSource` for an engine whose
+events arrive in batches from elsewhere, vLLM's EngineCore process) and `KvJournal`, which takes the backend's
+drained `KvDelta` batches (`append`), keeps the set of index keys the engine holds now (applying every batch)
+and a bounded log of recent batches, and answers each watcher with what it has not seen (`since(cursor)`): the
+batches after its cursor merged into one, or, for a new watcher or one that fell behind the log, a resync
+(`cleared` and every key held now).
 Must not: read clocks, do I/O, drain the backend itself (the service calls `append` with what it drained), or
 know the wire format (`engine_agent.proto_codec` encodes the result).
 
@@ -38,6 +39,52 @@ def merge(batches: Iterable[KvDelta]) -> KvDelta:
             events[key] = True
     stored = tuple(k for k, s in events.items() if s)
     return KvDelta(stored, tuple(k for k, s in events.items() if not s), cleared)
+
+
+class KvMirror:
+    """The keys an engine holds, mirrored from its event batches (`apply`), and what changed since the last
+    `drain`, for a backend whose engine reports events in batches of its own (the vLLM backend's scheduler
+    reads). Bounded: when the undrained changes outgrow twice the keys held (no watcher drained for a long
+    time), they are replaced by a resync batch, `cleared` + every key held, which a receiver applies the same
+    way."""
+
+    __slots__ = ("_held", "_pending", "_cleared")
+
+    def __init__(self) -> None:
+        self._held: dict[int, None] = {}
+        self._pending: dict[int, bool] = {}  # key -> stored (True) / removed (False), last event wins
+        self._cleared = False
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def apply(self, stored: Iterable[int], removed: Iterable[int], cleared: bool = False) -> None:
+        held, pending = self._held, self._pending
+        if cleared:
+            held.clear()
+            pending.clear()
+            self._cleared = True
+        for key in removed:
+            held.pop(key, None)
+            pending[key] = False
+        for key in stored:
+            held[key] = None
+            pending[key] = True
+        if len(pending) > 2 * len(held) + 1024:
+            pending.clear()
+            pending.update(dict.fromkeys(held, True))
+            self._cleared = True
+
+    def drain(self) -> KvDelta:
+        """Changes since the previous drain, as one batch (empty when none)."""
+        pending, cleared = self._pending, self._cleared
+        self._pending, self._cleared = {}, False
+        stored = tuple(k for k, s in pending.items() if s)
+        return KvDelta(stored, tuple(k for k, s in pending.items() if not s), cleared)
+
+    def snapshot(self) -> KvDelta:
+        return KvDelta(tuple(self._held), (), True)
 
 
 class KvJournal:

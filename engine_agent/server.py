@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine_agent.backends.base import (
     HIDDEN_STATES,
+    KV_EVENTS,
     MIGRATION,
     Capabilities,
     EngineBackend,
@@ -138,6 +139,8 @@ def backend_capabilities(config: AgentConfig, backend: EngineBackend) -> Capabil
     switched_off: dict[str, str] = {}
     if config.backend == "vllm" and not config.vllm.enable_migration:
         switched_off[MIGRATION] = "--no-migration"
+    if config.backend == "vllm" and not config.vllm.enable_prefix_caching:
+        switched_off[KV_EVENTS] = "--no-prefix-caching"
     return Capabilities.of(backend, switched_off=switched_off)
 
 

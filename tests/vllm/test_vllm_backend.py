@@ -231,6 +231,27 @@ async def test_engine_state_shows_queue_and_kv_then_frees(backend) -> None:  # t
     assert stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
 
 
+async def test_prefix_cache_hits_and_vllm_kv_events_give_the_gateway_keys(backend) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's own KV events, mapped in the EngineCore process, reach the agent as exactly the index keys the
+    gateway computes for the prompt; a repeat hits the cache and says so in `cached_tokens`."""
+    from switchyard.prefix import index_keys  # noqa: PLC0415
+
+    prompt = [11 + (i * 7919) % 500 for i in range(600)]  # 2 index spans of 256 tokens, 18 blocks of 32
+    keys = index_keys(prompt)
+    assert len(keys) == 2
+    _, first = await _run(backend, _request("kv-1", prompt, 2))
+    assert first.usage.cached_tokens == 0
+    held: set[int] = set()
+    for _ in range(40):  # the scheduler read that carries the events comes within a second
+        held |= set(backend.drain_kv_events().stored)
+        if set(keys) <= held:
+            break
+        await asyncio.sleep(0.1)
+    assert set(keys) <= held and set(keys) <= set(backend.kv_snapshot().stored)
+    _, again = await _run(backend, _request("kv-2", prompt, 2))
+    assert again.usage.cached_tokens >= 576  # every full 32-token block of the prompt
+
+
 async def test_migration_refusals(backend) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(MigrationRefused, match="not running"):
         await backend.migrate_out(RequestId("nope"), "elsewhere")

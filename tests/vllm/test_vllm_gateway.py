@@ -114,6 +114,31 @@ async def test_completions_token_prompt_usage(gw: Running) -> None:
     assert reply.choices[0].finish_reason == "length"
 
 
+async def test_vllm_kv_events_reach_the_gateway_index_and_repeats_report_cached_tokens(gw: Running) -> None:
+    """vLLM's KV events -> the agent's mapper and journal -> WatchState -> the gateway's reported index: the
+    engine is found holding the prompt's keys, and a repeat's usage shows the prefix-cache hit."""
+    from gateway.domain import PREFIX_EVENTS  # noqa: PLC0415
+    from switchyard.prefix import index_keys  # noqa: PLC0415
+
+    prompt = [11 + (i * 104_729) % 900 for i in range(560)]  # 2 index spans
+    keys = index_keys(prompt)
+    first = await gw.client.completions.create(
+        model=gw.model, prompt=prompt, max_tokens=2, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert first.usage is not None
+    store, engine_id = gw.app[STORE_KEY], gw.engine().engine_id
+    for _ in range(50):
+        if store.prefix_match(keys, PREFIX_EVENTS).get(engine_id) == len(keys):
+            break
+        await asyncio.sleep(0.1)
+    assert store.prefix_match(keys, PREFIX_EVENTS) == {engine_id: len(keys)}
+    again = await gw.client.completions.create(
+        model=gw.model, prompt=prompt, max_tokens=2, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= 544  # its 17 full blocks of 32
+
+
 async def test_abort_mid_stream_frees_the_kv(gw: Running) -> None:
     stream = await gw.client.chat.completions.create(
         model=gw.model,

@@ -60,6 +60,7 @@ from engine_agent.domain import (
     FinishEvent,
     FinishReason,
     HiddenStateBatch,
+    KvDelta,
     MigratedEvent,
     MigrationRefused,
     MigrationStats,
@@ -70,6 +71,7 @@ from engine_agent.domain import (
     TokenEvent,
     Usage,
 )
+from engine_agent.kv_journal import KvMirror
 from engine_agent.lens import FitOutcome, LensConfig, LensController, PlanLimits, QueueView
 from engine_agent.lens.perf_model import import_fit_dependencies
 from engine_agent.qoe_tracker import LoadJoin, QoETracker
@@ -173,6 +175,8 @@ class VllmBackend:
         self._handoffs: set[asyncio.Task[None]] = set()  # the prefill role's cuts in progress
         self._qoe = QoETracker()
         self._qoe_join = LoadJoin(self._qoe)
+        # The engine's prefix-cache index keys, mirrored from the scheduler reads (`kv_events`).
+        self._kv = KvMirror()
 
     # -- protocol: static --------------------------------------------------------------------------------
 
@@ -627,6 +631,14 @@ class VllmBackend:
     def hidden_states(self) -> AsyncIterator[HiddenStateBatch]:
         return self._tap.subscribe()
 
+    # -- capability: KV events (off with --no-prefix-caching: `server.backend_capabilities`) ---------------
+
+    def drain_kv_events(self) -> KvDelta:
+        return self._kv.drain()
+
+    def kv_snapshot(self) -> KvDelta:
+        return self._kv.snapshot()
+
     # -- engine-side read-outs ------------------------------------------------------------------------
 
     def _on_iteration(self, sample: IterationSample) -> None:
@@ -690,6 +702,10 @@ class VllmBackend:
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         self._state.apply(state)
+        kv = state.get("kv_events")
+        if kv is not None:
+            stored, removed, cleared = kv
+            self._kv.apply(stored, removed, bool(cleared))
         for internal_id, mean_f in state.get("qoe_loads", {}).items():
             self._qoe_join.on_load(internal_id, mean_f)
         lens = self._lens

@@ -17,10 +17,13 @@ blocks), the per-iteration budget, the batch loads of CascadeInfer's QoE fit (ev
 F = (1, n, ΣI, ΣI², ΣL) added to its requests' loads, `engine_agent.qoe_tracker.BatchLoads`; a finished
 request's lifetime-average F handed to the agent by the next `agent_state` read, which pairs it with the
 latency it measured), the migration cut (finish-then-pull over NixlConnector's bidirectional mode) and
-forgetting a migrated-in request's transfer params, the hidden-state tap.
-Must not: import anything from the agent but this module, the pure `engine_agent.lens` planner and the pure
-`engine_agent.qoe_tracker` (it loads in vLLM's processes), block the engine loop, or keep references to
-finished requests.
+forgetting a migrated-in request's transfer params, the hidden-state tap, and the prefix-cache events: with
+`kv_events_config.enable_kv_cache_events` on, the scheduler's KV-event publisher is replaced by one that
+feeds `kv_events.IndexKeyMapper` in this process, and each `agent_state` read hands over the index keys
+stored and removed since the previous read.
+Must not: import anything from the agent but this module, the pure `engine_agent.lens` planner, the pure
+`engine_agent.qoe_tracker` and the pure `kv_events` mapper (it loads in vLLM's processes), block the engine
+loop, or keep references to finished requests.
 
 Batch loads: after each `schedule()`, the batch is `SchedulerOutput.num_scheduled_tokens`' requests (prefill
 chunks and decodes), I = `num_prompt_tokens` (a migrated-in request's prompt holds its earlier output: vLLM
@@ -43,11 +46,13 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from vllm.distributed.kv_events import EventBatch, EventPublisher
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import RequestStatus
 
+from engine_agent.backends.vllm.kv_events import IndexKeyMapper
 from engine_agent.lens.perf_model import LatencyParams
 from engine_agent.lens.planner import PlanLimits, QueueView, plan_batch
 from engine_agent.qoe_tracker import BatchLoads
@@ -56,6 +61,21 @@ MIGRATE_OUT_MARKER = "agent_migrate_out"
 # Finished requests' loads kept for the agent between two `agent_state` reads (it reads at least every second;
 # past this the oldest are dropped: the agent stopped reading).
 _FINISHED_LOADS_KEPT = 65536
+
+
+class _MapperPublisher(EventPublisher):  # type: ignore[misc]
+    """vLLM's KV-event publisher interface, in process: each step's batch goes to the index-key mapper, which
+    the agent's `agent_state` reads drain (no socket, no thread: vLLM's ZMQ publisher would add both)."""
+
+    def __init__(self, mapper: IndexKeyMapper) -> None:
+        super().__init__()
+        self._mapper = mapper
+
+    def publish(self, events: EventBatch) -> None:
+        self._mapper.feed(events.events)
+
+    def shutdown(self) -> None:
+        pass
 
 
 class _AgentSchedulerMixin:
@@ -67,6 +87,14 @@ class _AgentSchedulerMixin:
     # CascadeInfer's batch loads (per instance, made at the first schedule) and the finished ones' mean F.
     agent_loads: BatchLoads | None = None
     agent_finished_loads: dict[str, tuple[float, ...]] | None = None
+    # Prefix-cache events as the gateway's index keys (`kv_events`), when vLLM's KV events are on.
+    agent_kv: IndexKeyMapper | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if getattr(self, "enable_kv_cache_events", False):
+            self.agent_kv = IndexKeyMapper(self.block_size)  # type: ignore[attr-defined]
+            self.kv_event_publisher = _MapperPublisher(self.agent_kv)  # replaces vLLM's (null) publisher
 
     def _agent_todo(self) -> tuple[list[int], list[int]]:
         """Tokens each running request would compute now (>= 1) and each waiting one still needs, FCFS."""
@@ -155,6 +183,7 @@ class _AgentSchedulerMixin:
             "running_tokens": run_todo,
             "waiting_tokens": wait_todo,
             "qoe_loads": self.agent_take_finished_loads(),
+            "kv_events": None if self.agent_kv is None else self.agent_kv.drain(),
         }
 
     def agent_cut(self, request_id: str) -> dict[str, Any]:

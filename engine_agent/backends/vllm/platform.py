@@ -78,9 +78,10 @@ def engine_args(model_dir: str, model_name: str, engine_id: str, cfg: VllmConfig
     """vLLM's engine arguments for the agent.
 
     Token ids in and out, our stat logger only, iteration details on, NixlConnector (bidirectional, pull) when
-    migration is on, the hidden-state tap as the worker extension.
+    migration is on, the hidden-state tap as the worker extension, prefix caching with vLLM's KV events on
+    unless `enable_prefix_caching` is off.
     """
-    from vllm.config import KVTransferConfig  # noqa: PLC0415
+    from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: PLC0415
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
 
     kv_transfer = None
@@ -119,6 +120,11 @@ def engine_args(model_dir: str, model_name: str, engine_id: str, cfg: VllmConfig
         disable_log_stats=True,  # our stat logger only; vLLM's per-iteration log lines stay off
         enable_logging_iteration_details=True,
         kv_transfer_config=kv_transfer,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        # vLLM's own KV events, published in process to the agent scheduler's mapper (engine_side): the
+        # "null" publisher is what the scheduler builds; it replaces it.
+        kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                          if cfg.enable_prefix_caching else None),
         worker_extension_cls=f"{engine_side}.HiddenStateTap",
     )
 

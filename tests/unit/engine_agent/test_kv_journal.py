@@ -65,3 +65,22 @@ def test_every_watcher_converges_to_what_the_engine_holds() -> None:
                     apply(view, delta)
                 assert view == engine
                 watchers[i] = (cursor, view)
+
+
+def test_the_mirror_nets_changes_between_drains_and_resyncs_when_they_outgrow_the_held_set() -> None:
+    from engine_agent.kv_journal import KvMirror
+
+    mirror = KvMirror()
+    mirror.apply([1, 2, 3], [])
+    mirror.apply([4], [2])
+    assert mirror.drain() == KvDelta((1, 3, 4), (2,), False)
+    assert mirror.drain() == KvDelta()
+    mirror.apply([], [], cleared=True)
+    mirror.apply([9], [])
+    assert mirror.drain() == KvDelta((9,), (), True) and mirror.snapshot() == KvDelta((9,), (), True)
+    # Nobody drains while 2,000 keys come and go: the pending changes collapse into a resync of what is held.
+    for key in range(100, 2100):
+        mirror.apply([key], [])
+        mirror.apply([], [key])
+    delta = mirror.drain()
+    assert delta.cleared and set(delta.stored) == {9} and len(delta.removed) < 1100
