@@ -3,7 +3,8 @@
 Owns: `block_keys` (the hash chain over a prompt's full blocks of token ids, vLLM's scheme: a block's key
 covers its tokens and its parent's key, so equal keys mean equal prefixes up to and including that block),
 `INDEX_SPAN_TOKENS` (the span of one gateway index block), `span_of` (how many engine blocks one index
-block covers), and which index blocks are indexed at all (`is_indexed`, `index_keys`, `indexed_tokens`).
+block covers), which index blocks are indexed at all (`is_indexed`, `index_keys`, `indexed_tokens`), and
+`net_event`, how an engine's batch of key events is netted before it is sent.
 Must not: hold state, read clocks or do I/O.
 
 Two granularities use the same function:
@@ -97,3 +98,13 @@ def indexed_tokens(count: int) -> int:
         left -= limit // stride - covered // stride
         covered = limit
     raise AssertionError("the last tier has no limit")
+
+
+def net_event(delta: dict[int, bool], key: int, stored: bool) -> None:
+    """Add one key event (stored True / removed False) to a batch keyed by index key: an event that undoes
+    the batch's earlier one for the key cancels it (stored then removed, or removed then stored, between two
+    drains is no change for a receiver)."""
+    if delta.get(key) is (not stored):
+        del delta[key]
+    else:
+        delta[key] = stored

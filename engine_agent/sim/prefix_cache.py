@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine_agent.domain import KvDelta
+from switchyard.prefix import net_event
 
 
 class PrefixCache:
@@ -90,7 +91,7 @@ class PrefixCache:
         refs[key] = 1
         if index_key is not None:
             self._anchor[key] = index_key
-            self._note(index_key, True)
+            net_event(self._delta, index_key, True)
         return True
 
     def release(self, keys: Sequence[int]) -> int:
@@ -115,16 +116,9 @@ class PrefixCache:
             del refs[key]
             index_key = anchor.pop(key, None)
             if index_key is not None:
-                self._note(index_key, False)
+                net_event(self._delta, index_key, False)
         self.evicted_total += n
         return n
-
-    def _note(self, index_key: int, stored: bool) -> None:
-        delta = self._delta
-        if delta.get(index_key) is (not stored):
-            del delta[index_key]  # undoes an event of this batch
-        else:
-            delta[index_key] = stored
 
     def drain(self) -> KvDelta:
         """The events since the last drain (netted), and forget them."""

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.prefix import INDEX_SPAN_TOKENS, KEY_MASK, ROOT_KEY, is_indexed, span_of
+from switchyard.prefix import INDEX_SPAN_TOKENS, KEY_MASK, ROOT_KEY, is_indexed, net_event, span_of
 
 
 @dataclass(slots=True)
@@ -145,20 +145,13 @@ class IndexKeyMapper:
             self._held[key] = count
         else:
             del self._held[key]
-            self._note(key, False)
+            net_event(self._delta, key, False)
 
     def _hold(self, key: int) -> None:
         count = self._held.get(key, 0)
         self._held[key] = count + 1
         if not count:
-            self._note(key, True)
-
-    def _note(self, key: int, stored: bool) -> None:
-        delta = self._delta
-        if delta.get(key) is (not stored):
-            del delta[key]  # undoes an event of this batch
-        else:
-            delta[key] = stored
+            net_event(self._delta, key, True)
 
     def drain(self) -> tuple[list[int], list[int], bool]:
         """(stored, removed, cleared) since the last call: `cleared` when vLLM reset its prefix cache, after
