@@ -438,14 +438,14 @@ class ClusterState:
             return self._sent.match(keys, self._engines)
         if source != PREFIX_EVENTS:
             raise ValueError(f"unknown prefix source {source!r}")
-        fresh: list[EngineId] = []
-        other: list[EngineId] = []
+        fresh: set[EngineId] = set()  # sets: `PrefixIndex.match` then needs no copy of its engines
+        other: set[EngineId] = set()
         stale_after_s = self._stale_after_s
         for state in self._order:
             if state.kv_events and now_s - state.report_received_s <= stale_after_s:
-                fresh.append(state.engine_id)
+                fresh.add(state.engine_id)
             else:
-                other.append(state.engine_id)
+                other.add(state.engine_id)
         out = self._reported.match(keys, fresh) if fresh else {}
         if other:
             out.update(self._sent.match(keys, other))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from gateway.domain import ClusterSnapshot, EngineId, RequestFeatures
@@ -74,3 +76,16 @@ def record_policies(monkeypatch: pytest.MonkeyPatch) -> list[Recording]:
 
     monkeypatch.setattr(runner_module, "make_policy", make)
     return made
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """`app` on a free local port for the block: its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

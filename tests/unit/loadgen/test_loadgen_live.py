@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from loadgen_testkit import serving
 
 from engine_agent.tokenization import Tokenizer
 from loadgen.cli import main
@@ -106,15 +107,8 @@ async def fake() -> AsyncIterator[tuple[FakeServer, str]]:
     app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/chat/completions", server.stream)
     app.router.add_post("/v1/completions", server.stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield server, f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield server, url
 
 
 def chat(rid: str, text: str = "hello", output_tokens: int | None = 4) -> Request:

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
-from loadgen_testkit import FIXTURE_DATA
+from loadgen_testkit import FIXTURE_DATA, serving
 
 from engine_agent.tokenization import Tokenizer
 from loadgen.cli import main
@@ -76,14 +76,8 @@ async def echo() -> AsyncIterator[tuple[EchoServer, str]]:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_get("/v1/models", server.models)
     app.router.add_post("/v1/completions", server.complete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield server, f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield server, url
 
 
 def test_a_block_prompt_goes_to_completions_as_its_planned_token_ids() -> None:
