@@ -21,21 +21,23 @@ Choices:
 - SLOs: the tightest TTFT / TPOT SLO among the queued requests (`QueueView.slo_*_s`), else the configured
   defaults (Algorithm 1, line 7: TargetLatency(Q_wait u Q_run, SLOs)).
 - Eq. 8 (`state_vector`):
-  L-hat: Predict of the batch the engine would run next: Algorithm 1's plan when LENS plans, else the
-  greedy batch under the static limits (Q_max, M_max). W (tokens): pending prefill (running sequences needing
-  more than one token + every waiting sequence's uncomputed tokens) + expected decode: L-bar per waiting or
+  L-hat: Predict of the batch the engine would run next: Algorithm 1's plan when LENS plans, else the greedy
+  batch under the static limits (Q_max, M_max). W (tokens): pending prefill (running sequences needing more
+  than one token + every waiting sequence's uncomputed tokens) + expected decode: L-bar per waiting or
   prefilling request, L-bar / 2 per decoding request (on average half way through its output). M_free: free KV
   blocks minus ceil((uncomputed tokens + L-bar) / block_size) per waiting request, floored at 0. P_max: the
-  model's peak throughput (tokens/s). Until the model is ready, L-hat and P_max are reported as 0 (unknown);
-  W, M_free, the a-priori error ratio and the SLO risk are always filled. Prefill rate (while LENS plans, else
-  0): measured, the prefill tokens computed per second over the last `prefill_window` planned iterations that
-  began with prefill pending (waiting requests or a chunked prefill), once there are `prefill_min_samples` of
-  them; before that, the plan for the queue with one more request waiting (a prompt of M_max tokens), its
-  prefill tokens (the budget less one token per decoding sequence, at least 1) over its predicted latency.
-  Under a TTFT-bound target the plans can leave prefill a small fraction of P_max, down to nothing while a
-  decode-only batch already comes within eps of the target (issue 17: an H100 planned to 8 ms iterations
-  prefilled at a median 125 tokens/s with requests waiting, against a P_max of 42,000), so a router pricing
-  TTFT needs the measured figure.
+  throughput the model predicts for a full iteration (`planner.peak_tokens_per_s`: M_max tokens over the
+  fastest batch size), not Eq. 2's Pmax parameter, which a fit can move by orders of magnitude without
+  changing a prediction (issue 17: 9.7e8 tokens/s on a simulated A6000 pair, which drew PRISM's traffic).
+  Until the model is ready, L-hat and P_max are reported as 0 (unknown); W, M_free, the a-priori error ratio
+  and the SLO risk are always filled. Prefill rate (while LENS plans, else 0): measured, the prefill tokens
+  computed per second over the last `prefill_window` planned iterations that began with prefill pending
+  (waiting requests or a chunked prefill), once there are `prefill_min_samples` of them; before that, the plan
+  for the queue with one more request waiting (a prompt of M_max tokens), its prefill tokens (the budget less
+  one token per decoding sequence, at least 1) over its predicted latency. Under a TTFT-bound target the plans
+  can leave prefill a small fraction of P_max, down to nothing while a decode-only batch already comes within
+  eps of the target (issue 17: an H100 planned to 8 ms iterations prefilled at a median 125 tokens/s with
+  requests waiting, against a P_max of 42,000), so a router pricing TTFT needs the measured figure.
 - `enabled` = False (ablation: static budget) turns planning off only; the model keeps learning and the state
   vector keeps being computed.
 """
@@ -52,7 +54,14 @@ import numpy as np
 
 from engine_agent.domain import LensFigures
 from engine_agent.lens.perf_model import FitOutcome, LatencyModel, LatencyModelConfig, predict_scalar
-from engine_agent.lens.planner import BatchPlan, PlanLimits, QueueView, allocate, plan_batch
+from engine_agent.lens.planner import (
+    BatchPlan,
+    PlanLimits,
+    QueueView,
+    allocate,
+    peak_tokens_per_s,
+    plan_batch,
+)
 from engine_agent.lens.target import AdaptiveTarget, TargetConfig, TargetDecision
 
 
@@ -109,6 +118,7 @@ class LensController:
         self._prefill_samples: deque[tuple[int, float]] = deque()
         self._prefill_tokens = 0
         self._prefill_s = 0.0
+        self._peak_of: tuple[object, float] = (None, 0.0)  # (the model's params, their P_max): a memo
 
     @property
     def config(self) -> LensConfig:
@@ -239,6 +249,13 @@ class LensController:
             return 0.0
         return max(plan.token_budget - decoding, 1) / plan.predicted_latency_s
 
+    def _peak(self) -> float:
+        """P_max of the current fit (`peak_tokens_per_s`), recomputed when a refit installs new params."""
+        params = self._model.params
+        if self._peak_of[0] is not params:
+            self._peak_of = (params, peak_tokens_per_s(params, self._limits))
+        return self._peak_of[1]
+
     def state_vector(self, view: QueueView, now_s: float) -> LensFigures:
         """Eq. 8 plus the model's recent error and the SLO risk (see the module docstring)."""
         del now_s
@@ -257,7 +274,7 @@ class LensController:
         free = max(view.free_kv_blocks - reserved, 0)
         latency_s = peak = rate = 0.0
         if self._model.ready:
-            peak = self._model.peak_throughput
+            peak = self._peak()
             plan = None
             if self.planning:
                 cfg = self._config

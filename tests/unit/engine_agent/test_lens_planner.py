@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,8 +10,21 @@ import numpy as np
 import pytest
 
 from engine_agent.lens.controller import LensConfig, LensController
-from engine_agent.lens.perf_model import SATURATED_K, LatencyModel, LatencyParams, predict_scalar
-from engine_agent.lens.planner import BatchPlan, PlanLimits, QueueView, allocate, plan_batch
+from engine_agent.lens.perf_model import (
+    SATURATED_K,
+    LatencyModel,
+    LatencyParams,
+    predict_array,
+    predict_scalar,
+)
+from engine_agent.lens.planner import (
+    BatchPlan,
+    PlanLimits,
+    QueueView,
+    allocate,
+    peak_tokens_per_s,
+    plan_batch,
+)
 
 # T(B, S) = 10 ms + S / 10,000 tok/s + 1 ms * B: saturated throughput makes the arithmetic exact by hand.
 LINEAR = LatencyParams(tau0_s=0.010, w0_tokens=0.0, ws=1.0, pmax_tokens_per_s=10_000.0,
@@ -30,31 +44,32 @@ def test_empty_queues_give_no_plan() -> None:
 
 def test_picks_the_candidate_closest_to_the_target_and_exits_early() -> None:
     # Target 30.5 ms: S*(B) = (20.5 ms - 1 ms * B) / 0.1 ms = 205 - 10 B. Two decodes run, four 50-token
-    # prompts wait. B=2: 2 decodes, 12.2 ms; B=3: +50, 18.2 ms; B=4: +100, 24.2 ms; B=5: S*=155 -> 2 + 3 x 50
+    # prompts wait, so the candidates start at B=3 (B=2 would admit none of them): B=3: +50, 18.2 ms; B=4: +100, 24.2 ms; B=5: S*=155 -> 2 + 3 x 50
     # = 152 tokens, 30.2 ms: 0.3 ms off, under 5% of the target, so the loop stops there.
     plan = plan_batch(view([1, 1], [50, 50, 50, 50]), LIMITS, LINEAR, 0.0305)
     assert plan == BatchPlan(token_budget=152, num_seqs=5, predicted_latency_s=pytest.approx(0.0302),
-                             candidates_tried=4, target_latency_s=0.0305)
+                             candidates_tried=3, target_latency_s=0.0305)
     # Without the early exit B=6 is tried too (S*=145: 2 + 50 + 50 + a 43-token chunk, 5 sequences, 29.5 ms,
     # 1 ms off) and loses to B=5.
     exhaustive = plan_batch(view([1, 1], [50, 50, 50, 50]), LIMITS, LINEAR, 0.0305, eps_ratio=0.0)
     assert exhaustive is not None
-    assert (exhaustive.num_seqs, exhaustive.token_budget, exhaustive.candidates_tried) == (5, 152, 5)
+    assert (exhaustive.num_seqs, exhaustive.token_budget, exhaustive.candidates_tried) == (5, 152, 4)
     # A loose epsilon (25%: 7.6 ms) stops at the first candidate within it, B=4 (24.2 ms, 6.3 ms off).
     loose = plan_batch(view([1, 1], [50, 50, 50, 50]), LIMITS, LINEAR, 0.0305, eps_ratio=0.25)
     assert loose is not None
-    assert (loose.num_seqs, loose.token_budget, loose.candidates_tried) == (4, 102, 3)
+    assert (loose.num_seqs, loose.token_budget, loose.candidates_tried) == (4, 102, 2)
 
 
 def test_keeps_an_earlier_candidate_when_later_ones_are_worse() -> None:
-    # Prompts of 150 tokens, target 29 ms, S*(B) = 190 - 10 B: B=2 runs the decodes alone (12.2 ms); B=3 adds
-    # one prompt, 152 tokens, 28.2 ms (0.8 ms off); B=4 (S*=150) can only give the first prompt a 148-token
-    # chunk, 28.0 ms (1 ms off); B=5 (S*=140) 27.0 ms. With eps 0 all four are tried and B=3 is kept.
+    # Prompts of 150 tokens, target 29 ms, S*(B) = 190 - 10 B (B=2, the decodes alone, is not a candidate
+    # while prompts wait): B=3 adds one prompt, 152 tokens, 28.2 ms (0.8 ms off); B=4 (S*=150) can only give
+    # the first prompt a 148-token chunk, 28.0 ms (1 ms off); B=5 (S*=140) 27.0 ms. With eps 0 all three are
+    # tried and B=3 is kept.
     plan = plan_batch(view([1, 1], [150, 150, 150]), LIMITS, LINEAR, 0.0290, eps_ratio=0.0)
     assert plan is not None
     b3 = predict_scalar(LINEAR, 3, 152)  # 10 + 15.2 + 3 = 28.2 ms
     assert plan.predicted_latency_s == pytest.approx(b3)
-    assert (plan.num_seqs, plan.token_budget, plan.candidates_tried) == (3, 152, 4)
+    assert (plan.num_seqs, plan.token_budget, plan.candidates_tried) == (3, 152, 3)
 
 
 def test_budget_never_exceeds_the_token_limit() -> None:
@@ -75,11 +90,12 @@ def test_budget_never_exceeds_the_token_limit() -> None:
 
 
 def test_running_sequences_are_served_before_waiting_ones() -> None:
-    # A running prefill with 400 tokens left and a tight target: S*(3) = 110 - 30 = 80 tokens, all to the
-    # running sequences (two decodes and a 78-token chunk); the waiting prompt gets nothing.
+    # A running prefill with 400 tokens left and a tight target. A request waits and a slot is free, so B=4
+    # is the only candidate: S*(4) = 110 - 40 = 70 tokens, all to the running sequences (two decodes and a
+    # 68-token chunk); the waiting prompt gets nothing.
     plan = plan_batch(view([1, 1, 400], [10]), LIMITS, LINEAR, 0.021)
     assert plan is not None
-    assert (plan.num_seqs, plan.token_budget) == (3, 80)
+    assert (plan.num_seqs, plan.token_budget) == (3, 70)
     assert allocate(view([1, 1, 400], [10]), LIMITS, 8, 80) == (3, 80)
     assert allocate(view([1, 1, 400], [10]), LIMITS, 8, 2) == (2, 2)
 
@@ -130,8 +146,10 @@ def _reference(running: list[int], waiting: list[int], free: int, limits: PlanLi
     best: _RefPlan | None = None
     min_error = math.inf
     tried = 0
-    for b in range(max(len(running), 1), max(min(len(running) + len(waiting), limits.max_num_seqs),
-                                              max(len(running), 1)) + 1):
+    b_hi = max(min(len(running) + len(waiting), limits.max_num_seqs), len(running), 1)
+    # Deviation (module docstring of the planner): a free slot and a waiting request start at |Q_run| + 1.
+    b_lo = len(running) + 1 if waiting and len(running) < b_hi else max(len(running), 1)
+    for b in range(b_lo, b_hi + 1):
         tried += 1
         s_low, s_high, s = b, limits.max_batched_tokens, b
         for _ in range(iters):
@@ -265,7 +283,8 @@ def test_state_vector_eq_8() -> None:
     assert figures.predicted_batch_latency_s == plan.predicted_latency_s
     assert figures.pending_work_tokens == 300 + 200 + l_bar * (4 + 1) + 0.5 * l_bar * 2
     assert figures.effective_free_kv_blocks == 100 - 4 * math.ceil((50 + l_bar) / 16)
-    assert figures.peak_throughput_tokens_per_s == 10_000.0
+    # P_max: M_max tokens over the fastest batch size's predicted iteration (B = 1 here: tau_b > 0).
+    assert figures.peak_throughput_tokens_per_s == pytest.approx(512 / (0.010 + 512 / 10_000 + 0.001))
     assert not figures.slo_risk
     # LENS off (static budget): L-hat is the default greedy batch under (Q_max, M_max).
     off = _warm_controller(LensConfig(enabled=False, default_slo_tpot_s=0.0305))
@@ -303,3 +322,17 @@ def test_the_prefill_rate_is_planned_then_measured() -> None:
     # Not planning: 0 (the router falls back to P_max less the decodes).
     off = _warm_controller(LensConfig(enabled=False, default_slo_tpot_s=0.0305))
     assert off.state_vector(decoding, 0.0).prefill_tokens_per_s == 0.0
+
+
+def test_peak_is_the_full_iteration_rate_whatever_the_fit_s_pmax() -> None:
+    """Fits that predict the same iterations report the same P_max even when Eq. 2's Pmax parameter differs
+    tenfold (small kS trades against Pmax: only their product is identified), issue 17."""
+    base = dataclasses.replace(CURVED, ks_per_token=1e-7, pmax_tokens_per_s=40_000.0 / 1e-7)
+    other = dataclasses.replace(CURVED, ks_per_token=1e-8, pmax_tokens_per_s=40_000.0 / 1e-8)
+    sizes, tokens = np.array([1, 4, 8]), np.array([8, 200, 512])
+    assert predict_array(base, sizes, tokens) == pytest.approx(predict_array(other, sizes, tokens), rel=1e-4)
+    assert other.peak_throughput_tokens_per_s == pytest.approx(10 * base.peak_throughput_tokens_per_s)
+    peak = peak_tokens_per_s(base, LIMITS)
+    assert peak_tokens_per_s(other, LIMITS) == pytest.approx(peak, rel=1e-4)
+    # It is the best of M_max / Predict(B, M_max) over B = 1, 2, 4, 8.
+    assert peak == pytest.approx(max(512 / predict_scalar(base, b, 512) for b in (1, 2, 4, 8)))
