@@ -70,12 +70,22 @@ then takes the engine that finishes r soonest (t_first + o * L_e; ties by rand) 
 "no_feasible_soonest" (else "scored") travels in the dispatch to `switchyard_policy_picks_total{policy,why}`
 and the debug log.
 Shedding (`overload = "shed"`, goodput at overload): a new request (resumed_tokens = 0) whose best margin
-min_e max(t_first / T_ttft, L_e / T_tpot) exceeds `shed_margin` is shed (`decide` returns no engine and
-`base.SHED`, "no_feasible_shed"): the request's life answers `Shed`; live, a 503 `fleet_saturated` with the
-admission gate's reason `slo_unattainable` and Retry-After (counted as the routing decision "shed"); in the
-simulator a failed request that counts against attainment (over all arrivals: shedding is never free).
-Between 1 and `shed_margin` PRISM still serves the soonest (the prediction is a mean; a margin > 1 keeps
-requests the engine would likely still serve in time). `pick` never sheds (a follow must land somewhere).
+min_e max(t_first / T_ttft, L_e / T_tpot) exceeds `shed_margin` while every candidate is busy (requests queued
+ahead of r, waiting or dispatched since the report, or a batch already past the TPOT margin on its own, L_e /
+T_tpot > `shed_margin`: the fleet is overloaded, not merely slow for this request) is shed (`decide` returns
+no engine and `base.SHED`, "no_feasible_shed"): the request's life answers `Shed`; live, a 503
+`fleet_saturated` with the admission gate's reason `slo_unattainable` and Retry-After (counted as the routing
+decision "shed"); in the simulator a failed request that counts against attainment (over all arrivals:
+shedding is never free). Between 1 and `shed_margin` PRISM still serves the soonest (the prediction is a mean;
+a margin > 1 keeps requests the engine would likely still serve in time). `pick` never sheds (a follow must
+land somewhere).
+Why the busy condition (issue 17): an engine with nothing queued and a batch within the TPOT is not where
+capacity is short, and the TTFT margin there is least certain. LENS at low load plans iterations that put TTFT
+at its SLO on purpose (Eq. 7's TTFT boundary) and reports the slow prefill rate of those plans, so PRISM
+predicted misses the engines would not have had: shedding without the condition cost 29 % of the Azure
+conversation trace at its own rate on the mixed fleet (attainment 0.709 against 0.999 for round robin) and
+22 % of arXiv-length requests at 10 req/s. The queue alone (without the TPOT part) kept too many requests on
+the training cells at overload (mean 0.642 against 0.675 on five ShareGPT / Azure conv points).
 
 Why the queue terms (issue 17, `benchmarks/prism_diagnose.py`, simulated mixed fleet h100 + a100 + 2 x
 a6000x2, LENS on, results/prism_diagnose_*.json/.png): t_first used to count only the prefill tokens ahead at
@@ -96,6 +106,14 @@ requests (predicted TTFT 0.05 s, actual 0.45 s). With the prefill rate LENS meas
 (t_first and the load factor), its share fell to 39 % and attainment rose to 97 %; the rest is LENS's
 starvation itself, which routing cannot undo (results/prism_diagnose_*.json).
 
+Why P_e is LENS's full-iteration rate (issue 17, same benchmarks, arXiv lengths at 10 req/s on the mixed
+fleet): the second A6000 pair's latency model reported Eq. 2's Pmax / ws, 9.4e3 tokens/s at first and then up
+to 9.7e8 as refits traded Pmax against kS while still predicting its iterations within 2 %. PRISM divides
+work by P_e, so that engine looked idle: it took 26 % of the requests, got them 11x later than predicted and
+served 17 % of them within SLO (attainment 0.784 against least loaded's 1.000). LENS now reports the rate a
+full iteration reaches (`engine_agent.lens.planner.peak_tokens_per_s`), the same for every fit that predicts
+the same iterations; with it PRISM attained 1.000 there.
+
 Constants: `decode_work_tokens` 128, `latency_steepness` 4, `load_scale_s` 4 s, the weights 1 and
 `shed_margin` 1.0 were chosen by a one-pass coordinate sweep on the training traces only (ShareGPT and Azure
 conv, both fleets of benchmarks/nexussched_repro.py at its two highest loads; Azure code and arXiv held out):
@@ -104,7 +122,9 @@ rate priced, it chose the same values: mean attainment 0.318 (0.298-0.318 over d
 w_load 0.5-2) and 0.607 with shedding at margin 1.0 (0.327-0.384 at margins 1.25-3). The first run's means
 (0.626, 0.723) do not reproduce: its homogeneous cells at the top loads scored about 1.0 and now score about
 0.16 (the heterogeneous ones moved little); that output probably predates the 20 s minimum run length, under
-which 1,000 requests at 400 req/s were a burst the fleet absorbed (likely, not verified).
+which 1,000 requests at 400 req/s were a burst the fleet absorbed (likely, not verified). The sweep has not
+been rerun since P_e became LENS's full-iteration rate and shedding needs a busy fleet (both changes fixed
+inputs, not constants; the busy rule was chosen over the queue-only rule on training cells).
 
 Stale state: with age a = `ClusterSnapshot.state_age_s(view)`, confidence
 c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
@@ -121,7 +141,8 @@ Cost (issue 17, benchmarks/prism_pick_cost.py): the request-independent terms of
 W_e, M_e, A_e without a KV shortfall, R_e, ...) are rows of numpy arrays (`_Table`), built from the views
 alone; the policy keeps the last table per model and rebuilds only the rows whose views are new objects (the
 cluster state reuses the view of an engine nothing happened to, so after a dispatch one row changes). A
-decision is then a few vector operations over the candidates.
+decision is then a few vector operations over the candidates: 29-32 us at 64 engines (target 20, missed) and
+116 us at 1,024 (target 200) in the gateway's loop (docs/performance.md).
 Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state other than that memo (a
 function of the views: it never changes a decision).
 """
@@ -270,6 +291,7 @@ class _Table:
         order)."""
         class_peaks: dict[str, float] = {}
         data, fallback, tpot_s, k = self.data, self.fallback, self.tpot_s, params.latency_steepness
+        max_margin = _max_margin(params)
         summarise = self.any_stale
         for i in positions:
             view = views[i]
@@ -284,7 +306,7 @@ class _Table:
             if tpot_s == tpot_s:  # keep the cached TPOT columns current
                 m_tpot = row[_LATENCY] / tpot_s
                 self.tpot_margin[i] = m_tpot
-                self.tpot_latency[i] = row[_RISK] - math.log1p(min(m_tpot, _max_margin(params)) ** k)
+                self.tpot_latency[i] = row[_RISK] - math.log1p(min(m_tpot, max_margin) ** k)
         self.views = views
         if summarise:
             self._summarise()
@@ -319,7 +341,6 @@ class _Table:
 _LATENCY, _BLOCK_SIZE, _FREE_KV, _RISK, _STALE = (
     _Table.COLUMNS.index(name) for name in ("latency", "block_size", "free_kv", "risk", "stale"))
 _INF = math.inf
-_EXP_UNDERFLOW = 746.0  # exp(-746) == 0.0 in double precision
 
 
 def _max_margin(params: PrismParams) -> float:
@@ -440,12 +461,15 @@ def _timing(table: _Table, r: _Request, params: PrismParams) -> _Timing:
     first = table.first_base + r.prompt * table.inv_rate
     if table.any_kv and r.demand_tokens > 0:
         blocks = table.demand_blocks(r.demand_tokens)
-        waits = table.kv_wait_free < blocks
-        if waits[waits.argmax()]:  # completions until r's blocks are free, one running request's blocks each
-            short = blocks - table.kv_wait_free  # +inf rows do not wait
-            blocked_kv = table.ahead + np.ceil(short / table.per_request)
-            extra = np.maximum(blocked_kv - table.blocked_slots, 0.0) * table.drain
-            first = first + np.where(waits, extra, 0.0)
+        wait_free = table.kv_wait_free
+        # (a scalar demand: one row's test tells whether any row waits)
+        if isinstance(blocks, np.ndarray) or wait_free[wait_free.argmin()] < blocks:
+            waits = wait_free < blocks
+            if waits[waits.argmax()]:  # completions until r's blocks are free, one running request's each
+                short = blocks - wait_free  # +inf rows do not wait
+                blocked_kv = table.ahead + np.ceil(short / table.per_request)
+                extra = np.maximum(blocked_kv - table.blocked_slots, 0.0) * table.drain
+                first = first + np.where(waits, extra, 0.0)
     table.use_tpot(r.tpot_s, params)
     m_ttft = first * (1.0 / r.ttft_s)
     return _Timing(first, m_ttft, np.maximum(m_ttft, table.tpot_margin))
@@ -456,7 +480,20 @@ def _log_latency(table: _Table, timing: _Timing, params: PrismParams) -> np.ndar
     m_ttft = timing.m_ttft
     if m_ttft[m_ttft.argmax()] > _max_margin(params):  # absurd reports must not overflow m^k
         m_ttft = np.minimum(m_ttft, _max_margin(params))
-    result: np.ndarray = table.tpot_latency - np.log1p(m_ttft**params.latency_steepness)
+    result: np.ndarray = table.tpot_latency - np.log1p(_power(m_ttft, params.latency_steepness))
+    return result
+
+
+def _power(m: np.ndarray, k: float) -> np.ndarray:
+    """m ** k, by squaring for k = 2 and 4 (the default: half the cost of numpy's general power)."""
+    result: np.ndarray
+    if k == 4.0:
+        result = np.square(m)
+        np.square(result, out=result)
+    elif k == 2.0:
+        result = np.square(m)
+    else:
+        result = m**k
     return result
 
 
@@ -470,15 +507,16 @@ def _log_capacity(table: _Table, r: _Request, params: PrismParams) -> np.ndarray
     top = exponent.argmax()
     if exponent[top] <= -CAPACITY_NEGLIGIBLE_EXPONENT:  # x >= 1 + 36 kappa everywhere
         return None
-    fits = np.maximum(exponent, -_EXP_UNDERFLOW)  # past it exp(...) is exactly 0
     if exponent[top] > 0.0:  # some row does not fit (x < 1): eps (1 + max(x, 0)) / 2 there
-        np.minimum(fits, 0.0, out=fits)
+        fits = np.minimum(exponent, 0.0)
         x = 1.0 - kappa * exponent
         below = _LOG_EPS + np.log((1.0 + np.maximum(x, 0.0)) * 0.5)
         fitting = np.log1p((CAPACITY_EPSILON - 1.0) * np.exp(fits))
         result: np.ndarray = np.where(exponent > 0.0, below, fitting)
         return result
-    np.log1p((CAPACITY_EPSILON - 1.0) * np.exp(fits, out=fits), out=fits)
+    fits = np.exp(exponent)  # exp(-inf) = 0: +inf free KV
+    fits *= CAPACITY_EPSILON - 1.0
+    np.log1p(fits, out=fits)
     return fits
 
 
@@ -527,9 +565,16 @@ def _totals(table: _Table, r: _Request, timing: _Timing, conf: np.ndarray | None
 def _pick_tied(values: np.ndarray, best_index: int, above: bool, rand: float,
                conf: np.ndarray | None = None) -> int:
     """The row among those within TIE_TOLERANCE of values[best_index] (>= when `above`, else <=), the most
-    confident of them when `conf` is given, then the one at floor(rand * n)."""
+    confident of them when `conf` is given, then the one at floor(rand * n). `values` is restored after a
+    probe of its runner-up."""
     best = float(values[best_index])
     slack = TIE_TOLERANCE * max(1.0, abs(best))
+    if len(values) > 1:  # the runner-up outside the tolerance (the usual case): no tie to break
+        values[best_index] = -_INF if above else _INF
+        runner_up = float(values[values.argmax() if above else values.argmin()])
+        values[best_index] = best
+        if (runner_up < best - slack) if above else (runner_up > best + slack):
+            return best_index
     tied = np.flatnonzero(values >= best - slack) if above else np.flatnonzero(values <= best + slack)
     if len(tied) > 1 and conf is not None:
         tied_conf = conf[tied]
@@ -664,8 +709,11 @@ class PrismPolicy:
             totals = _totals(table, r, timing, conf, self._params)
             best = _pick_tied(totals, int(totals.argmax()), True, features.rand, conf)
             return table.views[best].engine_id, SCORED
-        if shed and best_margin > self._params.shed_margin and features.resumed_tokens == 0:
-            return None, SHED
+        limit = self._params.shed_margin
+        if shed and best_margin > limit and features.resumed_tokens == 0:
+            busy = (table.ahead >= 1.0) | (table.tpot_margin > limit)  # queued, or its batch too slow already
+            if busy[busy.argmin()]:
+                return None, SHED
         finish = timing.first_s + r.output * table.latency
         soonest = _pick_tied(finish, int(finish.argmin()), False, features.rand)
         return table.views[soonest].engine_id, NO_FEASIBLE

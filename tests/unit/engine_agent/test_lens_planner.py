@@ -44,8 +44,9 @@ def test_empty_queues_give_no_plan() -> None:
 
 def test_picks_the_candidate_closest_to_the_target_and_exits_early() -> None:
     # Target 30.5 ms: S*(B) = (20.5 ms - 1 ms * B) / 0.1 ms = 205 - 10 B. Two decodes run, four 50-token
-    # prompts wait, so the candidates start at B=3 (B=2 would admit none of them): B=3: +50, 18.2 ms; B=4: +100, 24.2 ms; B=5: S*=155 -> 2 + 3 x 50
-    # = 152 tokens, 30.2 ms: 0.3 ms off, under 5% of the target, so the loop stops there.
+    # prompts wait, so the candidates start at B=3 (B=2 would admit none of them): B=3: +50, 18.2 ms; B=4:
+    # +100, 24.2 ms; B=5: S*=155 -> 2 + 3 x 50 = 152 tokens, 30.2 ms: 0.3 ms off, under 5% of the target, so
+    # the loop stops there.
     plan = plan_batch(view([1, 1], [50, 50, 50, 50]), LIMITS, LINEAR, 0.0305)
     assert plan == BatchPlan(token_budget=152, num_seqs=5, predicted_latency_s=pytest.approx(0.0302),
                              candidates_tried=3, target_latency_s=0.0305)

@@ -3,6 +3,7 @@ feed it. Table-driven over hand-made snapshots with exact expectations."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from typing import Any
@@ -619,9 +620,10 @@ async def test_the_pick_reason_is_counted_live(headers: dict[str, str], why: str
 
 
 def test_a_request_no_engine_can_serve_in_time_is_shed_when_asked() -> None:
-    # Both engines past the 50 ms TPOT: a's margin is 0.06 / 0.05 = 1.2, b's 0.09 / 0.05 = 1.8.
-    a = engine("a", **LENS, predicted_batch_latency_s=0.06, num_running=10)
-    b = engine("b", **LENS, predicted_batch_latency_s=0.09, num_running=10)
+    # Both engines past the 50 ms TPOT, with requests queued: a's margin is 0.06 / 0.05 = 1.2, b's 0.09 /
+    # 0.05 = 1.8.
+    a = engine("a", **LENS, predicted_batch_latency_s=0.06, num_running=10, num_waiting=1)
+    b = engine("b", **LENS, predicted_batch_latency_s=0.09, num_running=10, unreported_requests=2)
     snap = snapshot(a, b)
     margins = {e: m for e, _, _, m in PrismPolicy().timings(features(), snap)}
     assert margins["a"] == pytest.approx(1.2) and margins["b"] == pytest.approx(1.8)
@@ -636,24 +638,46 @@ def test_a_request_no_engine_can_serve_in_time_is_shed_when_asked() -> None:
     assert shed.decide(features(), snapshot(a, b, engine("c")))[1] == "scored"
     # the default serves the soonest
     assert PrismPolicy().decide(features(), snap) == ("a", "no_feasible_soonest")
+    # a batch past the TPOT margin on its own counts as busy even with nothing queued ...
+    slow_b = engine("b", **LENS, predicted_batch_latency_s=0.09, num_running=10)
+    assert shed.decide(features(), snapshot(a, slow_b)) == (None, "no_feasible_shed")
+    # ... but an engine with nothing queued whose batch is within the margin (here a TTFT the request's
+    # prompt alone misses) is not overloaded: the request is served, not shed
+    long_prompt = features(prompt_tokens=300_000)
+    quiet_b = engine("b", **LENS, predicted_batch_latency_s=0.01, num_running=10)
+    assert shed.decide(long_prompt, snapshot(a, quiet_b))[1] == "no_feasible_soonest"
 
 
 async def test_a_shed_request_is_a_503_fleet_saturated_with_retry_after() -> None:
-    fake = FakeEngine("a", ok_script("x"))
+    started = asyncio.Event()
+
+    def slow(request: Any) -> list[Any]:
+        started.set()
+        return [0.3, *ok_script("x")(request)]
+
+    fake = FakeEngine("a", slow)
     policy = {"name": "prism", "params": {"overload": "shed"}}
+    impossible = {"x-slo-ttft-ms": "0.0001"}
     async with serving(fake, policy=policy) as client:
-        resp = await client.post(CHAT, json=BODY, headers={"x-slo-ttft-ms": "0.0001"})
+        # Idle: nothing is queued on the engine, so even an impossible SLO is served (by the soonest).
+        resp = await client.post(CHAT, json=BODY, headers=impossible)
+        assert resp.status == 200
+        # One request in flight (dispatched since the engine's report): queued ahead, so it is shed.
+        started.clear()
+        first = asyncio.create_task(client.post(CHAT, json=BODY))
+        await started.wait()
+        resp = await client.post(CHAT, json=BODY, headers=impossible)
         assert resp.status == 503
         assert resp.headers["Retry-After"] == "1"
         err = (await resp.json())["error"]
         assert (err["type"], err["code"]) == ("service_unavailable", "fleet_saturated")
         assert "time-to-first-token" in err["message"]
-        resp = await client.post(CHAT, json=BODY)  # the default SLO is met: served
-        assert resp.status == 200
+        assert (await first).status == 200
         exposition = await (await client.get("/metrics")).text()
     assert 'switchyard_policy_picks_total{policy="prism",why="no_feasible_shed"} 1.0' in exposition
+    assert 'switchyard_policy_picks_total{policy="prism",why="no_feasible_soonest"} 1.0' in exposition
     assert 'switchyard_routing_decisions_total{policy="prism",reason="shed"} 1.0' in exposition
-    assert len(fake.requests) == 1
+    assert len(fake.requests) == 2
 
 
 @pytest.mark.parametrize(("seed", "lens_share"), [(0, 1.0), (1, 1.0), (2, 0.5), (3, 0.0)])
