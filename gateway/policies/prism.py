@@ -138,11 +138,14 @@ Ties: the highest log score within a relative 1e-12 wins; among tied engines the
 engine beats an older report with the same score); among those, the one at index floor(rand * n) in engine-id
 order, so exact ties spread uniformly without favouring the first engine.
 Cost (issue 17, benchmarks/prism_pick_cost.py): the request-independent terms of every candidate (P_e, L_e,
-W_e, M_e, A_e without a KV shortfall, R_e, ...) are rows of numpy arrays (`_Table`), built from the views
+W_e, M_e, A_e without a KV shortfall, R_e, ...) are the rows of one array (`_Table`), built from the views
 alone; the policy keeps the last table per model and rebuilds only the rows whose views are new objects (the
-cluster state reuses the view of an engine nothing happened to, so after a dispatch one row changes). A
-decision is then a few vector operations over the candidates: 29-32 us at 64 engines (target 20, missed) and
-116 us at 1,024 (target 200) in the gateway's loop (docs/performance.md).
+cluster state reuses the view of an engine nothing happened to, so after a dispatch one row changes). The
+arithmetic over the rows is `prism_kernel`, compiled by numba: one call a decision. As about 40 numpy calls it
+cost 29-32 us at 64 engines (numpy's fixed cost per call, 0.3-1 us, whatever the row count); compiled, a
+decision costs 14.5 us at 64 engines, most of it patching the rows of the 2-3 engines that changed, and about
+100 us at 1,024 (targets 20 and 200; docs/performance.md). The kernel loads on the first PrismPolicy (numba's
+import and the cached machine code: about 0.5 s), not with this module.
 Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state other than that memo (a
 function of the views: it never changes a decision).
 """
@@ -164,15 +167,12 @@ from gateway.policies.static_weighted import gpu_class_weight
 from switchyard.prefix import indexed_tokens
 
 CAPACITY_EPSILON = 1e-6
-# exp(-36) ~ 2e-16: past x = 1 + 36 kappa, log S_capacity is below double precision next to the other terms.
-CAPACITY_NEGLIGIBLE_EXPONENT = 36.0
 TIE_TOLERANCE = 1e-12
 SCORED = "scored"  # `PrismPolicy.decide`'s reasons
 NO_FEASIBLE = "no_feasible_soonest"
 NO_CANDIDATE = "no_candidate"
 # Prefill never gets less than this share of P_e (decoding a full batch leaves chunked prefill at least this).
 MIN_PREFILL_SHARE = 0.05
-_LOG_EPS = math.log(CAPACITY_EPSILON)
 
 
 class PrismWeights(PolicyParams):
@@ -226,97 +226,57 @@ def class_peak_tokens_per_s(profile: str, params: PrismParams) -> float:
     return params.default_peak_tokens_per_s * (gpu_class_weight(profile) or 1.0)
 
 
+TABLE_COLUMNS: tuple[str, ...] = (  # a row of `_Table` (`prism_kernel` reads them by position)
+    "latency",  # L_e
+    "first_base",  # L_e + A_e (without a KV shortfall) + Q_e / R_e: t_first before r's own prefill
+    "inv_rate",  # 1 / R_e (1 / P_e when no batch runs)
+    "load_base",  # rho_e without r, over tau
+    "inv_peak_scaled",  # r's prompt tokens' share of rho_e over tau: 1 / (tau R_e) if LENS grants R_e,
+    # else 1 / (tau P_e)
+    "free_kv",  # M_e (free KV once the unreported dispatches land) where the KV size is known, else +inf
+    "kv_wait_free",  # M_e where a KV shortfall makes r wait (a batch runs), else +inf
+    "block_size",
+    "drain",  # seconds per completion (0 when no batch runs)
+    "ahead",  # requests ahead of r
+    "blocked_slots",  # completions r waits for a sequence slot, floored at 0
+    "per_request",  # KV blocks one completion frees
+    "risk",  # log(slo_risk_penalty) when the engine reports slo_risk, else 0
+    "reported_at",  # when its report arrived
+    "stale",  # 1 when flagged stale
+)
+
+
 class _Table:
     """The request-independent terms of a tuple of candidate engines: one row per engine (in the tuple's
-    order) of a column-major array, for one `PrismParams` and fallback P_e. A row is a function of its view
-    alone (`_row`), so a table can be kept while its views are the same objects and patched where some are
-    not (`PrismPolicy._table`): the cluster state reuses the view of an engine nothing happened to, so after
-    a dispatch one row changes. The columns (attributes, views of `data`) are named after what they hold.
+    order) of a column-major array `data`, for one `PrismParams` and fallback P_e; `prism_kernel` reads the
+    columns by position (COLUMNS names them, in its order). A row is a function of its view alone (`_row`),
+    so a table can be kept while its views are the same objects and patched where some are not
+    (`PrismPolicy._table`): the cluster state reuses the view of an engine nothing happened to, so after a
+    dispatch one row changes.
     """
 
-    COLUMNS: ClassVar[tuple[str, ...]] = (
-        "latency",  # L_e
-        "first_base",  # L_e + A_e (without a KV shortfall) + Q_e / R_e: t_first before r's own prefill
-        "inv_rate",  # 1 / R_e (1 / P_e when no batch runs)
-        "load_base",  # rho_e without r, over tau
-        "inv_peak_scaled",  # r's prompt tokens' share of rho_e over tau: 1 / (tau R_e) if LENS grants R_e,
-        # else 1 / (tau P_e)
-        "free_kv",  # M_e (free KV once the unreported dispatches land) where the KV size is known, else +inf
-        "kv_wait_free",  # M_e where a KV shortfall makes r wait (a batch runs), else +inf
-        "block_size",
-        "drain",  # seconds per completion (0 when no batch runs)
-        "ahead",  # requests ahead of r
-        "blocked_slots",  # completions r waits for a sequence slot, floored at 0
-        "per_request",  # KV blocks one completion frees
-        "risk",  # log(slo_risk_penalty) when the engine reports slo_risk, else 0
-        "reported_at",  # when its report arrived
-        "stale",  # 1 when flagged stale
-    )
-    __slots__ = (*COLUMNS, "views", "fallback", "data", "uniform_block_size", "any_kv", "any_stale",
-                 "all_lens", "tpot_s", "tpot_latency", "tpot_margin", "_index_of")
-    latency: np.ndarray
-    first_base: np.ndarray
-    inv_rate: np.ndarray
-    load_base: np.ndarray
-    inv_peak_scaled: np.ndarray
-    free_kv: np.ndarray
-    kv_wait_free: np.ndarray
-    block_size: np.ndarray
-    drain: np.ndarray
-    ahead: np.ndarray
-    blocked_slots: np.ndarray
-    per_request: np.ndarray
-    risk: np.ndarray
-    reported_at: np.ndarray
-    stale: np.ndarray
+    COLUMNS: ClassVar[tuple[str, ...]] = TABLE_COLUMNS
+    __slots__ = ("views", "fallback", "data", "all_lens", "_index_of")
 
     def __init__(self, views: tuple[EngineView, ...], params: PrismParams, fallback: float) -> None:
         self.views, self.fallback = views, fallback
         class_peaks: dict[str, float] = {}
         rows = np.array([_row(e, params, fallback, class_peaks) for e in views], dtype=np.float64)
         self.data = np.asfortranarray(rows.reshape(len(views), len(self.COLUMNS)))  # contiguous columns
-        for index, name in enumerate(self.COLUMNS):
-            setattr(self, name, self.data[:, index])
-        self.tpot_s = math.nan  # the T_tpot the two cached columns hold (NaN: none yet)
-        self.tpot_latency = np.zeros(len(views))  # -log1p(m_tpot^k) + the slo_risk term
-        self.tpot_margin = np.zeros(len(views))  # m_tpot = L_e / T_tpot
         self.all_lens = all(e.lens is not None for e in views)  # the fallback P_e is unused
         self._index_of: dict[EngineId, int] | None = None
-        self.uniform_block_size = 0  # the block size when every row has it, else 0
-        self.any_kv = self.any_stale = False  # hints: never wrong when True
-        self._summarise()
 
     def patch(self, positions: list[int], views: tuple[EngineView, ...], params: PrismParams) -> None:
         """Rebuild the rows at `positions` from `views` (the new candidates: the same engines in the same
         order)."""
         class_peaks: dict[str, float] = {}
-        data, fallback, tpot_s, k = self.data, self.fallback, self.tpot_s, params.latency_steepness
-        max_margin = _max_margin(params)
-        summarise = self.any_stale
+        data, fallback = self.data, self.fallback
         for i in positions:
             view = views[i]
-            row = _row(view, params, fallback, class_peaks)
-            data[i] = row
-            if row[_BLOCK_SIZE] != self.uniform_block_size or row[_STALE]:
-                summarise = True
-            if row[_FREE_KV] != _INF:
-                self.any_kv = True
+            data[i] = _row(view, params, fallback, class_peaks)
             if view.lens is None:
                 self.all_lens = False
-            if tpot_s == tpot_s:  # keep the cached TPOT columns current
-                m_tpot = row[_LATENCY] / tpot_s
-                self.tpot_margin[i] = m_tpot
-                self.tpot_latency[i] = row[_RISK] - math.log1p(min(m_tpot, max_margin) ** k)
         self.views = views
-        if summarise:
-            self._summarise()
-
-    def _summarise(self) -> None:
-        sizes = self.block_size
-        uniform = len(sizes) > 0 and bool((sizes == sizes[0]).all())
-        self.uniform_block_size = int(sizes[0]) if uniform else 0
-        self.any_kv = bool((self.free_kv != _INF).any())
-        self.any_stale = bool(self.stale.any())
 
     def index_of(self, engine_id: EngineId) -> int:
         """The row of `engine_id` (-1: not a candidate); rows keep their engines while the table lives."""
@@ -324,23 +284,9 @@ class _Table:
             self._index_of = {e.engine_id: i for i, e in enumerate(self.views)}
         return self._index_of.get(engine_id, -1)
 
-    def use_tpot(self, tpot_s: float, params: PrismParams) -> None:
-        """Make the TPOT columns hold `tpot_s`'s values (requests mostly share one SLO: kept between them)."""
-        if tpot_s != self.tpot_s:
-            self.tpot_s = tpot_s
-            self.tpot_margin = self.latency / tpot_s
-            clipped = np.minimum(self.tpot_margin, _max_margin(params))
-            self.tpot_latency = self.risk - np.log1p(clipped**params.latency_steepness)
 
-    def demand_blocks(self, tokens: int) -> float | np.ndarray:
-        """ceil(tokens / block size) per row (a number when every row has the same block size)."""
-        size = self.uniform_block_size
-        return float(-(tokens // -size)) if size else np.ceil(tokens / self.block_size)
-
-
-_LATENCY, _BLOCK_SIZE, _FREE_KV, _RISK, _STALE = (
-    _Table.COLUMNS.index(name) for name in ("latency", "block_size", "free_kv", "risk", "stale"))
 _INF = math.inf
+_EMPTY = np.empty(0)  # an absent per-row array for the kernel
 
 
 def _max_margin(params: PrismParams) -> float:
@@ -447,139 +393,40 @@ def _with_prefix(r: _Request, views: tuple[EngineView, ...], features: RequestFe
     return r._replace(prompt=np.maximum(p - cached, 1.0), overlap=overlap)
 
 
-class _Timing(NamedTuple):
-    first_s: np.ndarray  # predicted time to the first token
-    m_ttft: np.ndarray  # t_first / T_ttft
-    margin: np.ndarray  # max(m_ttft, L_e / T_tpot): feasible when <= 1
 
-
-# Vector reductions below go through argmin / argmax: on arrays of tens of engines they cost a fraction of
-# min() / max() / any().
-
-def _timing(table: _Table, r: _Request, params: PrismParams) -> _Timing:
-    """t_first and the margins of every row (module docstring)."""
-    first = table.first_base + r.prompt * table.inv_rate
-    if table.any_kv and r.demand_tokens > 0:
-        blocks = table.demand_blocks(r.demand_tokens)
-        wait_free = table.kv_wait_free
-        # (a scalar demand: one row's test tells whether any row waits)
-        if isinstance(blocks, np.ndarray) or wait_free[wait_free.argmin()] < blocks:
-            waits = wait_free < blocks
-            if waits[waits.argmax()]:  # completions until r's blocks are free, one running request's each
-                short = blocks - wait_free  # +inf rows do not wait
-                blocked_kv = table.ahead + np.ceil(short / table.per_request)
-                extra = np.maximum(blocked_kv - table.blocked_slots, 0.0) * table.drain
-                first = first + np.where(waits, extra, 0.0)
-    table.use_tpot(r.tpot_s, params)
-    m_ttft = first * (1.0 / r.ttft_s)
-    return _Timing(first, m_ttft, np.maximum(m_ttft, table.tpot_margin))
-
-
-def _log_latency(table: _Table, timing: _Timing, params: PrismParams) -> np.ndarray:
-    """log S_latency of every row (the TPOT term and slo_risk cached in the table)."""
-    m_ttft = timing.m_ttft
-    if m_ttft[m_ttft.argmax()] > _max_margin(params):  # absurd reports must not overflow m^k
-        m_ttft = np.minimum(m_ttft, _max_margin(params))
-    result: np.ndarray = table.tpot_latency - np.log1p(_power(m_ttft, params.latency_steepness))
-    return result
-
-
-def _power(m: np.ndarray, k: float) -> np.ndarray:
-    """m ** k, by squaring for k = 2 and 4 (the default: half the cost of numpy's general power)."""
-    result: np.ndarray
-    if k == 4.0:
-        result = np.square(m)
-        np.square(result, out=result)
-    elif k == 2.0:
-        result = np.square(m)
-    else:
-        result = m**k
-    return result
-
-
-def _log_capacity(table: _Table, r: _Request, params: PrismParams) -> np.ndarray | None:
-    """log S_capacity of every row; None when it is 0 (rounded) everywhere."""
-    if not table.any_kv or r.demand_tokens <= 0:
-        return None
-    kappa = params.capacity_headroom
-    # (1 - x) / kappa with x = M_e / D_r (+inf rows: -inf)
-    exponent = (1.0 / kappa) - table.free_kv * (1.0 / (kappa * table.demand_blocks(r.demand_tokens)))
-    top = exponent.argmax()
-    if exponent[top] <= -CAPACITY_NEGLIGIBLE_EXPONENT:  # x >= 1 + 36 kappa everywhere
-        return None
-    if exponent[top] > 0.0:  # some row does not fit (x < 1): eps (1 + max(x, 0)) / 2 there
-        fits = np.minimum(exponent, 0.0)
-        x = 1.0 - kappa * exponent
-        below = _LOG_EPS + np.log((1.0 + np.maximum(x, 0.0)) * 0.5)
-        fitting = np.log1p((CAPACITY_EPSILON - 1.0) * np.exp(fits))
-        result: np.ndarray = np.where(exponent > 0.0, below, fitting)
-        return result
-    fits = np.exp(exponent)  # exp(-inf) = 0: +inf free KV
-    fits *= CAPACITY_EPSILON - 1.0
-    np.log1p(fits, out=fits)
-    return fits
-
-
-def _log_load(table: _Table, r: _Request) -> np.ndarray:
-    result: np.ndarray = -np.log1p(table.load_base + r.prompt * table.inv_peak_scaled)
-    return result
-
-
-def _confidence(table: _Table, now_s: float, params: PrismParams) -> np.ndarray | None:
-    """c_e of every row; None when every row is fresh (all 1)."""
-    fresh_after_s = now_s - params.fresh_age_s
-    reported_at = table.reported_at
-    if not table.any_stale and (len(reported_at) == 0 or reported_at[reported_at.argmin()] >= fresh_after_s):
-        return None
-    over = np.maximum(fresh_after_s - reported_at, 0.0)
-    result: np.ndarray = np.where(table.stale > 0.0, 0.0, 0.5 ** (over / params.stale_half_life_s))
-    return result
-
-
-def _totals(table: _Table, r: _Request, timing: _Timing, conf: np.ndarray | None,
-            params: PrismParams) -> np.ndarray:
-    """The log scores: the weighted state factors blended toward their mean by confidence, plus affinity."""
+def _constants(params: PrismParams) -> np.ndarray:
+    from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
     weights = params.weights
-    latency = _log_latency(table, timing, params)
-    state = latency if weights.latency == 1.0 else weights.latency * latency
-    if weights.load != 0.0:
-        load = _log_load(table, r)
-        state = state + (load if weights.load == 1.0 else weights.load * load)
-    if weights.capacity != 0.0:
-        capacity = _log_capacity(table, r, params)
-        if capacity is not None:
-            state = state + (capacity if weights.capacity == 1.0 else weights.capacity * capacity)
-    if conf is not None:
-        state = conf * state + (1.0 - conf) * (math.fsum(state.tolist()) / len(state))
-    if r.overlap is not None and weights.affinity != 0.0:
-        state = state + (weights.affinity * math.log(params.affinity_bonus)) * (r.overlap - 1.0)
-    elif r.session is not None and weights.affinity != 0.0:
-        other = -weights.affinity * math.log(params.affinity_bonus)
-        state = state + other
-        index = table.index_of(r.session)
-        if index >= 0:
-            state[index] -= other
-    return state
+    return kernel.constants(params.latency_steepness, _max_margin(params), params.capacity_headroom,
+                            weights.latency, weights.load, weights.capacity,
+                            weights.affinity * math.log(params.affinity_bonus), params.stale_half_life_s,
+                            params.shed_margin)
 
 
-def _pick_tied(values: np.ndarray, best_index: int, above: bool, rand: float,
-               conf: np.ndarray | None = None) -> int:
-    """The row among those within TIE_TOLERANCE of values[best_index] (>= when `above`, else <=), the most
-    confident of them when `conf` is given, then the one at floor(rand * n). `values` is restored after a
-    probe of its runner-up."""
-    best = float(values[best_index])
-    slack = TIE_TOLERANCE * max(1.0, abs(best))
-    if len(values) > 1:  # the runner-up outside the tolerance (the usual case): no tie to break
-        values[best_index] = -_INF if above else _INF
-        runner_up = float(values[values.argmax() if above else values.argmin()])
-        values[best_index] = best
-        if (runner_up < best - slack) if above else (runner_up > best + slack):
-            return best_index
-    tied = np.flatnonzero(values >= best - slack) if above else np.flatnonzero(values <= best + slack)
-    if len(tied) > 1 and conf is not None:
-        tied_conf = conf[tied]
-        tied = tied[tied_conf == tied_conf[tied_conf.argmax()]]
-    return int(tied[min(int(rand * len(tied)), len(tied) - 1)])
+def _terms(table: _Table, r: _Request, consts: np.ndarray) -> np.ndarray:
+    """`prism_kernel.terms` of the table's rows for r."""
+    from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
+    prompt = r.prompt
+    per_row = prompt if isinstance(prompt, np.ndarray) else _EMPTY
+    result: np.ndarray = kernel.terms(table.data, per_row, float(prompt) if per_row is _EMPTY else 0.0,
+                                      float(r.demand_tokens), 1.0 / r.ttft_s, 1.0 / r.tpot_s, consts)
+    return result
+
+
+def _session_index(table: _Table, r: _Request) -> int:
+    return table.index_of(r.session) if r.session is not None else -1
+
+
+def _scores(table: _Table, r: _Request, now_s: float, params: PrismParams,
+            consts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(log scores, confidences) of the table's rows for r."""
+    from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
+    conf = np.empty(len(table.views))
+    blend = kernel.confidence(table.data, now_s - params.fresh_age_s, params.stale_half_life_s, conf)
+    overlap = r.overlap if r.overlap is not None else _EMPTY
+    scores = kernel.totals(_terms(table, r, consts), conf, blend, overlap, r.session is not None,
+                           _session_index(table, r), consts)
+    return scores, conf
 
 
 def factors(
@@ -589,36 +436,43 @@ def factors(
     params: PrismParams | None = None,
 ) -> Factors:
     """The four scores of `engine` for the request (fallback P_max taken over the snapshot's engines)."""
+    from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
     params = params if params is not None else PrismParams()
     fallback = fallback_peak_tokens_per_s(snapshot.serving(features.model) or (engine,))
     table = _Table((engine,), params, fallback)
     r = _request(features, params)
     if params.prefix:
         r = _with_prefix(r, (engine,), features)
-    latency = _log_latency(table, _timing(table, r, params), params)
-    capacity = _log_capacity(table, r, params)
+    t = _terms(table, r, _constants(params))
     affinity = 0.0
     if r.overlap is not None:
         affinity = math.log(params.affinity_bonus) * (float(r.overlap[0]) - 1.0)
     elif r.session is not None and r.session != engine.engine_id:
         affinity = -math.log(params.affinity_bonus)
-    logs = (float(latency[0]), float(_log_load(table, r)[0]),
-            0.0 if capacity is None else float(capacity[0]), affinity)
+    logs = (float(t[kernel.T_LATENCY, 0]), float(t[kernel.T_LOAD, 0]), float(t[kernel.T_CAPACITY, 0]),
+            affinity)
     return Factors(*(math.exp(v) for v in logs))
 
 
 def confidence(engine: EngineView, now_s: float, params: PrismParams | None = None) -> float:
     """c_e of the module docstring at snapshot time `now_s` (0 for an engine flagged stale)."""
+    from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
     params = params if params is not None else PrismParams()
-    conf = _confidence(_Table((engine,), params, 1.0), now_s, params)
-    return 1.0 if conf is None else float(conf[0])
+    conf = np.empty(1)
+    kernel.confidence(_Table((engine,), params, 1.0).data, now_s - params.fresh_age_s,
+                      params.stale_half_life_s, conf)
+    return float(conf[0])
 
 
 class PrismPolicy:
     NAME: ClassVar[str] = "prism"
 
     def __init__(self, params: PrismParams | None = None) -> None:
+        from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
+
         self._params = params if params is not None else PrismParams()
+        self._consts = _constants(self._params)
+        self._kernel = kernel
         self.prefix_source = PREFIX_EVENTS if self._params.prefix else None  # `base.prefix_source`
         # model -> the last candidates' table: request-independent terms, patched where views changed. A memo
         # only (it never changes a decision: the rows are a function of the views).
@@ -658,35 +512,37 @@ class PrismPolicy:
         self._tables[features.model] = table
         return table
 
-    def _evaluate(self, features: RequestFeatures, snapshot: ClusterSnapshot
-                  ) -> tuple[_Table, _Request, _Timing, np.ndarray | None]:
-        params = self._params
+    def _evaluate(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> tuple[_Table, _Request]:
         table = self._table(features, self.candidates(features, snapshot))
-        r = _request(features, params)
-        if params.prefix and table.views:
+        r = _request(features, self._params)
+        if self._params.prefix and table.views:
             r = _with_prefix(r, table.views, features)
-        return table, r, _timing(table, r, params), _confidence(table, snapshot.taken_at_s, params)
+        return table, r
 
     def scores(
         self, features: RequestFeatures, snapshot: ClusterSnapshot
     ) -> list[tuple[EngineId, float, float]]:
         """(engine, log score, confidence) per candidate, in engine-id order (for tests and diagnostics)."""
-        table, r, timing, conf = self._evaluate(features, snapshot)
+        table, r = self._evaluate(features, snapshot)
         if not table.views:
             return []
-        totals = _totals(table, r, timing, conf, self._params).tolist()
-        confs = [1.0] * len(totals) if conf is None else conf.tolist()
-        return [(e.engine_id, t, c) for e, t, c in zip(table.views, totals, confs, strict=True)]
+        totals, conf = _scores(table, r, snapshot.taken_at_s, self._params, self._consts)
+        return list(zip((e.engine_id for e in table.views), totals.tolist(), conf.tolist(), strict=True))
 
     def timings(
         self, features: RequestFeatures, snapshot: ClusterSnapshot
     ) -> list[tuple[EngineId, float, float, float]]:
         """(engine, predicted first-token s, predicted finish s, margin) per candidate, in engine-id order
         (for tests and diagnostics: what `decide` prices; the engine is feasible when the margin is <= 1)."""
-        table, r, timing, _ = self._evaluate(features, snapshot)
-        finish = timing.first_s + r.output * table.latency
-        return [(e.engine_id, f, t, m) for e, f, t, m in zip(
-            table.views, timing.first_s.tolist(), finish.tolist(), timing.margin.tolist(), strict=True)]
+        table, r = self._evaluate(features, snapshot)
+        if not table.views:
+            return []
+        kernel = self._kernel
+        t = _terms(table, r, self._consts)
+        first = t[kernel.T_FIRST]
+        finish = first + r.output * table.data[:, kernel.LATENCY]
+        return [(e.engine_id, f, d, m) for e, f, d, m in zip(
+            table.views, first.tolist(), finish.tolist(), t[kernel.T_MARGIN].tolist(), strict=True)]
 
     def pick(self, features: RequestFeatures, snapshot: ClusterSnapshot) -> EngineId | None:
         return self._decide(features, snapshot, shed=False)[0]
@@ -700,20 +556,18 @@ class PrismPolicy:
 
     def _decide(self, features: RequestFeatures, snapshot: ClusterSnapshot,
                 *, shed: bool) -> tuple[EngineId | None, str]:
-        table, r, timing, conf = self._evaluate(features, snapshot)
-        if not table.views:
+        table, r = self._evaluate(features, snapshot)
+        views = table.views
+        if not views:
             return None, NO_CANDIDATE
-        margin = timing.margin
-        best_margin = float(margin[margin.argmin()])
-        if best_margin <= 1.0:
-            totals = _totals(table, r, timing, conf, self._params)
-            best = _pick_tied(totals, int(totals.argmax()), True, features.rand, conf)
-            return table.views[best].engine_id, SCORED
-        limit = self._params.shed_margin
-        if shed and best_margin > limit and features.resumed_tokens == 0:
-            busy = (table.ahead >= 1.0) | (table.tpot_margin > limit)  # queued, or its batch too slow already
-            if busy[busy.argmin()]:
-                return None, SHED
-        finish = timing.first_s + r.output * table.latency
-        soonest = _pick_tied(finish, int(finish.argmin()), False, features.rand)
-        return table.views[soonest].engine_id, NO_FEASIBLE
+        kernel = self._kernel
+        prompt = r.prompt
+        per_row = prompt if isinstance(prompt, np.ndarray) else _EMPTY
+        row, why = kernel.decide(
+            table.data, per_row, float(prompt) if per_row is _EMPTY else 0.0, float(r.demand_tokens),
+            float(r.output), 1.0 / r.ttft_s, 1.0 / r.tpot_s, r.overlap if r.overlap is not None else _EMPTY,
+            r.session is not None, _session_index(table, r), snapshot.taken_at_s - self._params.fresh_age_s,
+            features.rand, shed and features.resumed_tokens == 0, self._consts)
+        if why == kernel.SHED:
+            return None, SHED
+        return views[row].engine_id, SCORED if why == kernel.SCORED else NO_FEASIBLE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -680,18 +681,16 @@ async def test_a_shed_request_is_a_503_fleet_saturated_with_retry_after() -> Non
     assert len(fake.requests) == 2
 
 
-@pytest.mark.parametrize(("seed", "lens_share"), [(0, 1.0), (1, 1.0), (2, 0.5), (3, 0.0)])
-def test_the_memoised_table_decides_as_a_table_built_afresh(seed: int, lens_share: float) -> None:
-    """A long-lived policy patches its table where the cluster state's views changed; a new policy per
-    decision builds every row. Random reports and dispatches (engines with and without LENS, KV short and
-    not, some stale) must give both the same decisions and scores."""
+def _random_decisions(seed: int, lens_share: float, params: PrismParams,
+                      ) -> Iterator[tuple[RequestFeatures, ClusterSnapshot, PrismPolicy]]:
+    """Random reports and dispatches over 12 engines (with and without LENS, KV short and not, some stale):
+    each step's request and snapshot, and a long-lived policy that dispatches the request where it decides."""
     rng = random.Random(seed)
     state = ClusterState(stale_after_s=0.5, snapshot_resolution_s=0.0)
     ids = [EngineId(f"e{i}") for i in range(12)]
     for eid in ids:
         state.add_engine(eid, 0.0)
         state.on_connect(eid)
-    params = PrismParams(overload="shed", shed_margin=1.5)
     kept = PrismPolicy(params)
     now_s, seqs = 0.0, dict.fromkeys(ids, 0)
     for step in range(300):
@@ -712,16 +711,52 @@ def test_the_memoised_table_decides_as_a_table_built_afresh(seed: int, lens_shar
                 last_iteration_s=0.02, lens=lens), now_s)
         feats = features(f"r{step}", prompt_tokens=rng.choice((10, 500, 3000)),
                          max_tokens=rng.choice((16, 400)), now_s=now_s,
-                         session_engine=rng.choice((None, "e3")), rand=rng.random())
+                         session_engine=rng.choice((None, "e3")), rand=rng.random(),
+                         slo_ttft_s=rng.choice((None, 0.2, 2.0)))
         snap = state.snapshot(now_s)
+        yield feats, snap, kept
+        engine, _ = kept.decide(feats, snap)
+        if engine is not None:
+            state.note_dispatch(engine, feats.request_id, feats.prompt_tokens, feats.max_tokens, "", now_s)
+
+
+@pytest.mark.parametrize(("seed", "lens_share"), [(0, 1.0), (1, 1.0), (2, 0.5), (3, 0.0)])
+def test_the_memoised_table_decides_as_a_table_built_afresh(seed: int, lens_share: float) -> None:
+    """A long-lived policy patches its table where the cluster state's views changed; a new policy per
+    decision builds every row: both must give the same decisions and scores."""
+    params = PrismParams(overload="shed", shed_margin=1.5)
+    for step, (feats, snap, kept) in enumerate(_random_decisions(seed, lens_share, params)):
         fresh = PrismPolicy(params)
         assert kept.decide(feats, snap) == fresh.decide(feats, snap), f"step {step}"
         kept_scores, fresh_scores = kept.scores(feats, snap), fresh.scores(feats, snap)
         assert [(e, c) for e, _, c in kept_scores] == [(e, c) for e, _, c in fresh_scores]
         assert [s for _, s, _ in kept_scores] == pytest.approx([s for _, s, _ in fresh_scores], rel=1e-12)
-        engine, _ = kept.decide(feats, snap)
-        if engine is not None:
-            state.note_dispatch(engine, feats.request_id, feats.prompt_tokens, feats.max_tokens, "", now_s)
+
+
+def test_a_decision_agrees_with_the_scores_and_timings_it_reports() -> None:
+    """`decide` runs the compiled kernel in one call; `scores` and `timings` run its parts. Its pick must be
+    the best score when some engine is feasible, the soonest finish when none is, and a shed only where no
+    engine is within the shed margin."""
+    params = PrismParams(overload="shed", shed_margin=1.5)
+    reasons = set()
+    runs = (_random_decisions(seed, share, params) for seed, share in ((4, 1.0), (5, 0.5), (6, 1.0)))
+    for step, (feats, snap, kept) in enumerate(decision for run in runs for decision in run):
+        engine, why = kept.decide(feats, snap)
+        reasons.add(why)
+        timings = kept.timings(feats, snap)
+        best_margin = min(m for *_, m in timings)
+        if why == "scored":
+            assert best_margin <= 1.0
+            scores = {e: s for e, s, _ in kept.scores(feats, snap)}
+            assert scores[engine] >= max(scores.values()) - 1e-9, f"step {step}"
+        elif why == "no_feasible_soonest":
+            assert best_margin > 1.0
+            finish = {e: f for e, _, f, _ in timings}
+            assert finish[engine] == min(finish.values()), f"step {step}"
+        else:
+            assert (engine, why) == (None, "no_feasible_shed")
+            assert best_margin > params.shed_margin
+    assert reasons == {"scored", "no_feasible_soonest", "no_feasible_shed"}  # every branch was exercised
 
 
 def test_the_prefill_rate_lens_grants_prices_the_ttft_and_the_load() -> None:
