@@ -122,9 +122,11 @@ rate priced, it chose the same values: mean attainment 0.318 (0.298-0.318 over d
 w_load 0.5-2) and 0.607 with shedding at margin 1.0 (0.327-0.384 at margins 1.25-3). The first run's means
 (0.626, 0.723) do not reproduce: its homogeneous cells at the top loads scored about 1.0 and now score about
 0.16 (the heterogeneous ones moved little); that output probably predates the 20 s minimum run length, under
-which 1,000 requests at 400 req/s were a burst the fleet absorbed (likely, not verified). The sweep has not
-been rerun since P_e became LENS's full-iteration rate and shedding needs a busy fleet (both changes fixed
-inputs, not constants; the busy rule was chosen over the queue-only rule on training cells).
+which 1,000 requests at 400 req/s were a burst the fleet absorbed (likely, not verified). Rerun on the code of
+today (P_e as LENS's full-iteration rate, shedding only in a busy fleet, the compiled kernel; 2,008 s on one
+core), it chose the same values again: mean attainment 0.324 over the twelve training points (0.289-0.324
+over d 64-512, k 2-8, tau 0.25-4 s and w_load 0.5-2; d 64 and 128 tie at 0.3238) and 0.603 with shedding at
+margin 1.0 (0.331-0.384 at margins 1.25-3).
 
 Stale state: with age a = `ClusterSnapshot.state_age_s(view)`, confidence
 c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
