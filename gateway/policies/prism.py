@@ -81,7 +81,8 @@ a margin > 1 keeps requests the engine would likely still serve in time). `pick`
 land somewhere).
 Why the busy condition (issue 17): an engine with nothing queued and a batch within the TPOT is not where
 capacity is short, and the TTFT margin there is least certain. LENS at low load plans iterations that put TTFT
-at its SLO on purpose (Eq. 7's TTFT boundary) and reports the slow prefill rate of those plans, so PRISM
+at its SLO on purpose (Eq. 7's TTFT boundary; since aimed at a quarter of it, `TargetConfig.ttft_aim`, which
+took that cell from 0.874 to 0.979 with shedding) and reports the slow prefill rate of those plans, so PRISM
 predicted misses the engines would not have had: shedding without the condition cost 29 % of the Azure
 conversation trace at its own rate on the mixed fleet (attainment 0.709 against 0.999 for round robin) and
 22 % of arXiv-length requests at 10 req/s. The queue alone (without the TPOT part) kept too many requests on
@@ -126,7 +127,8 @@ which 1,000 requests at 400 req/s were a burst the fleet absorbed (likely, not v
 today (P_e as LENS's full-iteration rate, shedding only in a busy fleet, the compiled kernel; 2,008 s on one
 core), it chose the same values again: mean attainment 0.324 over the twelve training points (0.289-0.324
 over d 64-512, k 2-8, tau 0.25-4 s and w_load 0.5-2; d 64 and 128 tie at 0.3238) and 0.603 with shedding at
-margin 1.0 (0.331-0.384 at margins 1.25-3).
+margin 1.0 (0.331-0.384 at margins 1.25-3). LENS's `ttft_aim` (0.25, engine_agent/lens/target.py) was
+chosen after that run, on the training points; the sweep has not been rerun with it.
 
 Stale state: with age a = `ClusterSnapshot.state_age_s(view)`, confidence
 c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).

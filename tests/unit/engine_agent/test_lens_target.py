@@ -7,7 +7,7 @@ import pytest
 
 from engine_agent.lens.target import AdaptiveTarget, TargetConfig, TargetDecision, decide
 
-CFG = TargetConfig(min_tpot_s=0.005, relax_half_queue=8.0)
+CFG = TargetConfig(min_tpot_s=0.005, relax_half_queue=8.0, ttft_aim=1.0)  # the paper's Eq. 5: aim at the SLO
 # TTFT = 1.0 s - 20 tokens x TPOT: alpha = 1 s, beta = 20.
 LINE = (1.0, 20.0)
 
@@ -58,6 +58,18 @@ def test_feasible_interval_and_long_outputs_take_the_ttft_bound() -> None:
     d = decide(LINE, slo_ttft_s=0.6, slo_tpot_s=0.05, waiting_queue_len=0, decode_tokens=100, config=CFG)
     assert d == TargetDecision(pytest.approx(0.02), pytest.approx(0.02), 0.05, False, "ttft_bound", 1.0, 20.0,
                                100)
+
+
+@pytest.mark.parametrize("aim", [1.0, 0.5, 0.25])
+def test_the_ttft_boundary_is_aimed_at_a_share_of_the_slo(aim: float) -> None:
+    """The boundary is the TPOT at which the line predicts TTFT = aim x SLO (a mean fit aimed at the SLO
+    itself plans half the TTFTs past it); the default aims at a quarter."""
+    config = TargetConfig(min_tpot_s=0.005, relax_half_queue=8.0, ttft_aim=aim)
+    d = decide(LINE, slo_ttft_s=0.6, slo_tpot_s=0.05, waiting_queue_len=0, decode_tokens=100, config=config)
+    assert d.rule == "ttft_bound"
+    assert d.target_latency_s == pytest.approx(min((1.0 - aim * 0.6) / 20.0, 0.05))
+    assert LINE[0] - LINE[1] * d.target_latency_s == pytest.approx(max(aim * 0.6, 1.0 - 20.0 * 0.05))
+    assert TargetConfig().ttft_aim == 0.25
 
 
 def test_short_outputs_take_the_tpot_bound() -> None:
