@@ -54,6 +54,7 @@ from gateway.observability.loop_lag import lag_monitor_ctx
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.siblings import SiblingScrape
 from gateway.planning.plan_file import parse_plan
+from gateway.policies import prism_kernel  # noqa: F401  (loads PRISM's compiled kernels before the loop runs)
 from gateway.policies.registry import POLICY_NAMES, make_policy
 from gateway.rescheduling.length_stages import (
     LengthStages,
@@ -66,6 +67,9 @@ from gateway.workers.spec import WORKER_HEADER, WorkerSpec
 from switchyard.clock import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
+# `prism_kernel` is imported above for its side effect: numba's import and the kernels' load (about 0.5 s)
+# happen when the gateway starts, not on the event loop when a PrismPolicy is first built (the configured
+# policy is built inside `build_app`, a per-request override while serving).
 
 CONFIG_KEY = web.AppKey("config", GatewayConfig)
 METRICS_KEY = web.AppKey("metrics", GatewayMetrics)

@@ -149,7 +149,7 @@ arithmetic over the rows is `prism_kernel`, compiled by numba: one call a decisi
 cost 29-32 us at 64 engines (numpy's fixed cost per call, 0.3-1 us, whatever the row count); compiled, a
 decision costs 14.5 us at 64 engines, most of it patching the rows of the 2-3 engines that changed, and about
 100 us at 1,024 (targets 20 and 200; docs/performance.md). The kernel loads on the first PrismPolicy (numba's
-import and the cached machine code: about 0.5 s), not with this module.
+import and the cached machine code: about 0.5 s), not with this module; the gateway app imports it at start.
 Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state other than that memo (a
 function of the views: it never changes a decision).
 """
@@ -253,20 +253,19 @@ TABLE_COLUMNS: tuple[str, ...] = (  # a row of `_Table` (`prism_kernel` reads th
 class _Table:
     """The request-independent terms of a tuple of candidate engines: one row per engine (in the tuple's
     order) of a column-major array `data`, for one `PrismParams` and fallback P_e; `prism_kernel` reads the
-    columns by position (COLUMNS names them, in its order). A row is a function of its view alone (`_row`),
-    so a table can be kept while its views are the same objects and patched where some are not
+    columns by position (`TABLE_COLUMNS` names them, in its order). A row is a function of its view alone
+    (`_row`), so a table can be kept while its views are the same objects and patched where some are not
     (`PrismPolicy._table`): the cluster state reuses the view of an engine nothing happened to, so after a
     dispatch one row changes.
     """
 
-    COLUMNS: ClassVar[tuple[str, ...]] = TABLE_COLUMNS
     __slots__ = ("views", "fallback", "data", "all_lens", "_index_of")
 
     def __init__(self, views: tuple[EngineView, ...], params: PrismParams, fallback: float) -> None:
         self.views, self.fallback = views, fallback
         class_peaks: dict[str, float] = {}
         rows = np.array([_row(e, params, fallback, class_peaks) for e in views], dtype=np.float64)
-        self.data = np.asfortranarray(rows.reshape(len(views), len(self.COLUMNS)))  # contiguous columns
+        self.data = np.asfortranarray(rows.reshape(len(views), len(TABLE_COLUMNS)))  # contiguous columns
         self.all_lens = all(e.lens is not None for e in views)  # the fallback P_e is unused
         self._index_of: dict[EngineId, int] | None = None
 
@@ -299,7 +298,7 @@ def _max_margin(params: PrismParams) -> float:
 
 def _row(e: EngineView, params: PrismParams, fallback: float,
          class_peaks: dict[str, float]) -> tuple[float, ...]:
-    """One engine's `_Table.COLUMNS`, by the module docstring (`class_peaks`: P_e by profile, a memo)."""
+    """One engine's `TABLE_COLUMNS`, by the module docstring (`class_peaks`: P_e by profile, a memo)."""
     d = params.decode_work_tokens
     lens = e.lens
     granted = 0.0  # the prefill rate LENS's plans leave a new request (0: it does not plan)
@@ -367,17 +366,21 @@ def _row(e: EngineView, params: PrismParams, fallback: float,
 
 
 class _Request(NamedTuple):
-    prompt: int | np.ndarray  # p; with `prefix`, per row: the prompt tokens the engine does not hold
-    demand_tokens: int  # p + o
-    output: int  # o
+    """r as the kernel takes it (`prompt_rows` and `overlap` empty unless `prefix` priced them)."""
+
+    prompt: float  # p
+    demand_tokens: float  # p + o
+    output: float  # o
     ttft_s: float
     tpot_s: float
     session: EngineId | None
-    overlap: np.ndarray | None = None  # with `prefix`, per row: the share of the prompt the engine holds
+    prompt_rows: np.ndarray = _EMPTY  # with `prefix`, per row: the prompt tokens the engine does not hold
+    overlap: np.ndarray = _EMPTY  # with `prefix`, per row: the share of the prompt the engine holds
 
 
 def _request(features: RequestFeatures, params: PrismParams) -> _Request:
-    return _Request(features.prompt_tokens, features.prompt_tokens + features.max_tokens, features.max_tokens,
+    return _Request(float(features.prompt_tokens), float(features.prompt_tokens + features.max_tokens),
+                    float(features.max_tokens),
                     features.slo_ttft_s or params.ttft_slo_ms * 1e-3,
                     features.slo_tpot_s or params.tpot_slo_ms * 1e-3, features.session_engine)
 
@@ -394,7 +397,7 @@ def _with_prefix(r: _Request, views: tuple[EngineView, ...], features: RequestFe
     overlap = cached * (1.0 / p)
     if r.session is not None:
         overlap = np.where(np.array([e.engine_id == r.session for e in views]), 1.0, overlap)
-    return r._replace(prompt=np.maximum(p - cached, 1.0), overlap=overlap)
+    return r._replace(prompt_rows=np.maximum(p - cached, 1.0), overlap=overlap)
 
 
 
@@ -410,10 +413,8 @@ def _constants(params: PrismParams) -> np.ndarray:
 def _terms(table: _Table, r: _Request, consts: np.ndarray) -> np.ndarray:
     """`prism_kernel.terms` of the table's rows for r."""
     from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
-    prompt = r.prompt
-    per_row = prompt if isinstance(prompt, np.ndarray) else _EMPTY
-    result: np.ndarray = kernel.terms(table.data, per_row, float(prompt) if per_row is _EMPTY else 0.0,
-                                      float(r.demand_tokens), 1.0 / r.ttft_s, 1.0 / r.tpot_s, consts)
+    result: np.ndarray = kernel.terms(table.data, r.prompt_rows, r.prompt, r.demand_tokens, 1.0 / r.ttft_s,
+                                      1.0 / r.tpot_s, consts)
     return result
 
 
@@ -427,8 +428,7 @@ def _scores(table: _Table, r: _Request, now_s: float, params: PrismParams,
     from gateway.policies import prism_kernel as kernel  # noqa: PLC0415  (numba: loaded on first use)
     conf = np.empty(len(table.views))
     blend = kernel.confidence(table.data, now_s - params.fresh_age_s, params.stale_half_life_s, conf)
-    overlap = r.overlap if r.overlap is not None else _EMPTY
-    scores = kernel.totals(_terms(table, r, consts), conf, blend, overlap, r.session is not None,
+    scores = kernel.totals(_terms(table, r, consts), conf, blend, r.overlap, r.session is not None,
                            _session_index(table, r), consts)
     return scores, conf
 
@@ -449,7 +449,7 @@ def factors(
         r = _with_prefix(r, (engine,), features)
     t = _terms(table, r, _constants(params))
     affinity = 0.0
-    if r.overlap is not None:
+    if len(r.overlap):
         affinity = math.log(params.affinity_bonus) * (float(r.overlap[0]) - 1.0)
     elif r.session is not None and r.session != engine.engine_id:
         affinity = -math.log(params.affinity_bonus)
@@ -565,13 +565,11 @@ class PrismPolicy:
         if not views:
             return None, NO_CANDIDATE
         kernel = self._kernel
-        prompt = r.prompt
-        per_row = prompt if isinstance(prompt, np.ndarray) else _EMPTY
         row, why = kernel.decide(
-            table.data, per_row, float(prompt) if per_row is _EMPTY else 0.0, float(r.demand_tokens),
-            float(r.output), 1.0 / r.ttft_s, 1.0 / r.tpot_s, r.overlap if r.overlap is not None else _EMPTY,
-            r.session is not None, _session_index(table, r), snapshot.taken_at_s - self._params.fresh_age_s,
-            features.rand, shed and features.resumed_tokens == 0, self._consts)
+            table.data, r.prompt_rows, r.prompt, r.demand_tokens, r.output, 1.0 / r.ttft_s, 1.0 / r.tpot_s,
+            r.overlap, r.session is not None, _session_index(table, r),
+            snapshot.taken_at_s - self._params.fresh_age_s, features.rand,
+            shed and features.resumed_tokens == 0, self._consts)
         if why == kernel.SHED:
             return None, SHED
         return views[row].engine_id, SCORED if why == kernel.SCORED else NO_FEASIBLE
