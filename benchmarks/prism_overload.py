@@ -11,8 +11,11 @@ constant was chosen on them.
 
     sweep     coordinate search, one pass, over PRISM's constants (decode_work_tokens, latency_steepness,
               load_scale_s, the load weight), then shed_margin with overload=shed, each value scored by
-              PRISM's mean SLO attainment over the training cells at the repro's two highest loads; the
-              best value of each constant is kept before the next is searched. Output:
+              PRISM's mean SLO attainment over the training cells at the repro's two highest loads; a value
+              replaces the constant's default only when its mean beats the default's by more than
+              --min-gain (default 0.005, about the binomial standard error of a 12-cell mean of 1,000
+              requests each: a smaller gain is noise, and a default should not move on noise); the chosen
+              value is kept before the next constant is searched. Output:
               benchmarks/prism_sweep.json (committed: PRISM's defaults come from it).
     evaluate  per cell: the knee = the load on a sqrt(2) grid where round robin's goodput (attainment x
               offered rate) peaks, searched upwards from half the repro's first load and stopped once goodput
@@ -27,7 +30,7 @@ constant was chosen on them.
               robin and least loaded and the targets (>= 1.43x round robin and >= 1.1x least loaded where
               round robin attains >= 5 %; >= 3x the requests within SLO in the long-context scenario).
 
-    .venv/bin/python benchmarks/prism_overload.py sweep [--requests 1000] [--jobs 2]
+    .venv/bin/python benchmarks/prism_overload.py sweep [--requests 1000] [--jobs 2] [--min-gain 0.005]
     .venv/bin/python benchmarks/prism_overload.py evaluate [--requests 1500] [--jobs 2] [--cells a,b]
 """
 
@@ -147,6 +150,26 @@ def _with(params: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     return out
 
 
+def _default(key: str) -> Any:
+    """PRISM's default for a `SWEEP` key ("weights.load": the load weight)."""
+    from gateway.policies.prism import PrismParams  # noqa: PLC0415
+
+    value: Any = PrismParams()
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def choose(scored: list[dict[str, Any]], incumbent: Any, min_gain: float) -> Any:
+    """The best-scoring value when it beats the incumbent's mean by more than `min_gain`, else the incumbent
+    (when it was scored; otherwise the best)."""
+    best = max(scored, key=lambda s: s["mean_attainment"])
+    held = next((s for s in scored if s["value"] == incumbent), None)
+    if held is not None and best["mean_attainment"] - held["mean_attainment"] <= min_gain:
+        return incumbent
+    return best["value"]
+
+
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     training = [(name, float(load)) for name, cell in CELLS.items() if not cell.held_out
                 for load in _repro_loads(name)[-2:]]
@@ -163,9 +186,11 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                 each = {f"{r['cell']}@{r['load']:g}": r["slo_attainment"] for r in rows}
                 scored.append({"value": value, "mean_attainment": mean, "attainment": each})
                 print(f"{key}={value}: mean attainment {mean:.3f}", flush=True)
-            chosen = max(scored, key=lambda s: s["mean_attainment"])["value"]
+            incumbent = _default(key)
+            chosen = choose(scored, incumbent, args.min_gain)
             best = _with(best, key, chosen)
-            steps.append({"constant": key, "arm": arm, "scored": scored, "chosen": chosen})
+            steps.append({"constant": key, "arm": arm, "scored": scored, "default": incumbent,
+                          "chosen": chosen})
     return {"training_cells": [f"{n}@{load:g}" for n, load in training], "steps": steps, "chosen": best}
 
 
@@ -258,6 +283,8 @@ def main() -> int:
     s.add_argument("--requests", type=int, default=1000)
     s.add_argument("--jobs", type=int, default=2)
     s.add_argument("--output", type=Path, default=SWEEP_OUTPUT)
+    s.add_argument("--min-gain", type=float, default=0.005,
+                   help="mean attainment a value must gain over the default to replace it")
     e = sub.add_parser("evaluate")
     e.add_argument("--requests", type=int, default=1500)
     e.add_argument("--jobs", type=int, default=2)
@@ -269,7 +296,7 @@ def main() -> int:
     started = time.perf_counter()
     if args.command == "sweep":
         doc = sweep(args)
-        doc["config"] = {"requests": args.requests, "seed": 0}
+        doc["config"] = {"requests": args.requests, "seed": 0, "min_gain": args.min_gain}
     else:
         params = json.loads(args.sweep.read_text())["chosen"] if args.sweep.exists() else {}
         params = {k: v for k, v in params.items() if k != "overload"}

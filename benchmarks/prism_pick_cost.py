@@ -8,7 +8,8 @@ N x interval_per_decision / report_interval reports arrive between two decisions
 at 1,024 with the defaults), each engine in its turn. Each decision is one turn of the live loop: the reports
 due since the last decision arrive, the gateway takes its snapshot (`ClusterState.snapshot`, timed as
 "snapshot"), the policy decides on it (timed as "decide") and the dispatch is recorded (`note_dispatch`; an
-older request finishes so the in-flight count stays bounded). Nothing repeats a snapshot: every decision sees
+older request finishes so the in-flight count stays bounded), with the garbage collector tuned as the serving
+gateway tunes it (`gateway.app.collector_tuned`). Nothing repeats a snapshot: every decision sees
 the views the events of its turn changed, so a memo only helps where the live gateway's would.
 
 Arms, in the same invocation: round_robin (the baseline ratio), least_loaded, prism (defaults), prism with
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from json_out import write_json  # noqa: E402
 
+from gateway.app import collector_tuned  # noqa: E402
 from gateway.cluster.state import ClusterState  # noqa: E402
 from gateway.domain import EngineId, EngineReport, LensState, RequestFeatures  # noqa: E402
 from gateway.policies.registry import make_policy  # noqa: E402
@@ -70,6 +72,12 @@ def report(eid: EngineId, seq: int, rng: random.Random, lens: bool) -> EngineRep
 
 def run_arm(arm: str, name: str, params: dict[str, Any], size: int, decisions: int, rate: float,
             report_interval_s: float, lens: bool, seed: int) -> dict[str, float]:
+    with collector_tuned():  # the garbage collector as the serving gateway sets it
+        return _run_arm(arm, name, params, size, decisions, rate, report_interval_s, lens, seed)
+
+
+def _run_arm(arm: str, name: str, params: dict[str, Any], size: int, decisions: int, rate: float,
+             report_interval_s: float, lens: bool, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     state = ClusterState(stale_after_s=1e9)
     ids = [EngineId(f"e{i:04d}") for i in range(size)]

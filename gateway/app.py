@@ -405,7 +405,7 @@ async def serve(
         log.info("gateway listening on %s", base_url)
         if on_listening is not None:
             on_listening(base_url)
-        with stop_on_signals(stop, handle_signals), _collector_tuned():
+        with stop_on_signals(stop, handle_signals), collector_tuned():
             await stop.wait()
         log.info("shutting down")
     finally:
@@ -442,7 +442,7 @@ async def running(
 
 
 @contextlib.contextmanager
-def _collector_tuned() -> Iterator[None]:
+def collector_tuned() -> Iterator[None]:
     """While serving: rarer young collections (`_GC_GEN0_THRESHOLD`), and what start-up built (modules, the
     app) frozen out of the collector's walks, so that the full collections left do not walk the whole heap.
     The previous settings come back when serving ends (an embedding process, a test run)."""

@@ -116,19 +116,15 @@ full iteration reaches (`engine_agent.lens.planner.peak_tokens_per_s`), the same
 the same iterations; with it PRISM attained 1.000 there.
 
 Constants: `decode_work_tokens` 128, `latency_steepness` 4, `load_scale_s` 4 s, the weights 1 and
-`shed_margin` 1.0 were chosen by a one-pass coordinate sweep on the training traces only (ShareGPT and Azure
-conv, both fleets of benchmarks/nexussched_repro.py at its two highest loads; Azure code and arXiv held out):
-`benchmarks/prism_overload.py sweep`, output benchmarks/prism_sweep.json. Rerun with the measured prefill
-rate priced, it chose the same values: mean attainment 0.318 (0.298-0.318 over d 64-512, k 2-8, tau 0.25-4 s,
-w_load 0.5-2) and 0.607 with shedding at margin 1.0 (0.327-0.384 at margins 1.25-3). The first run's means
-(0.626, 0.723) do not reproduce: its homogeneous cells at the top loads scored about 1.0 and now score about
-0.16 (the heterogeneous ones moved little); that output probably predates the 20 s minimum run length, under
-which 1,000 requests at 400 req/s were a burst the fleet absorbed (likely, not verified). Rerun on the code of
-today (P_e as LENS's full-iteration rate, shedding only in a busy fleet, the compiled kernel; 2,008 s on one
-core), it chose the same values again: mean attainment 0.324 over the twelve training points (0.289-0.324
-over d 64-512, k 2-8, tau 0.25-4 s and w_load 0.5-2; d 64 and 128 tie at 0.3238) and 0.603 with shedding at
-margin 1.0 (0.331-0.384 at margins 1.25-3). LENS's `ttft_aim` (0.25, engine_agent/lens/target.py) was
-chosen after that run, on the training points; the sweep has not been rerun with it.
+`shed_margin` 1.0 come from a one-pass coordinate sweep on the training traces only (ShareGPT and Azure conv,
+both fleets of benchmarks/nexussched_repro.py at its two highest loads: 12 points; Azure code and arXiv held
+out): `benchmarks/prism_overload.py sweep`, output benchmarks/prism_sweep.json. A value replaces the default
+only when it gains more than 0.005 mean attainment (about the binomial standard error of the 12-point mean).
+Last run on the code of issue 17's end (P_e as LENS's full-iteration rate, shedding only in a busy fleet, the
+compiled kernel, LENS's `ttft_aim` 0.25; 1,130 s on two cores): mean attainment 0.321 at the defaults,
+0.293-0.321 over d 64-512, k 2-8, tau 0.25-4 s and w_load 0.5-2 (d 512 0.3213 against d 128's 0.3211: within
+the margin), and 0.589 with shedding at margin 1.0 (0.325-0.383 at margins 1.25-3). Three earlier runs, each
+on the code of its day, chose the same values.
 
 Stale state: with age a = `ClusterSnapshot.state_age_s(view)`, confidence
 c_e = 0.5 ** (max(0, a - fresh_age_s) / stale_half_life_s).
@@ -148,8 +144,9 @@ cluster state reuses the view of an engine nothing happened to, so after a dispa
 arithmetic over the rows is `prism_kernel`, compiled by numba: one call a decision. As about 40 numpy calls it
 cost 29-32 us at 64 engines (numpy's fixed cost per call, 0.3-1 us, whatever the row count); compiled, a
 decision costs 14.5 us at 64 engines, most of it patching the rows of the 2-3 engines that changed, and about
-100 us at 1,024 (targets 20 and 200; docs/performance.md). The kernel loads on the first PrismPolicy (numba's
-import and the cached machine code: about 0.5 s), not with this module; the gateway app imports it at start.
+100 us at 1,024 (p99 17.5 and 147 us with the gateway's collector settings; targets 20 and 200;
+docs/performance.md). The kernel loads on the first PrismPolicy (numba's import and the cached machine code:
+about 0.5 s), not with this module; the gateway app imports it at start.
 Must not: import asyncio, aiohttp, grpc, prometheus or time; keep mutable state other than that memo (a
 function of the views: it never changes a decision).
 """

@@ -8,7 +8,7 @@ import gc
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from gateway.app import _collector_tuned
+from gateway.app import collector_tuned
 from gateway.observability.metrics import LoopHistogram
 
 BUCKETS = (1e-6, 0.001, 0.0025, 0.5, 1.0, 10.0)
@@ -46,7 +46,7 @@ def test_label_misuse_is_refused() -> None:
 
 def test_collector_tuning_is_undone() -> None:
     thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
-    with _collector_tuned():
+    with collector_tuned():
         assert gc.get_threshold()[0] >= 20_000
         assert gc.get_freeze_count() > frozen
     assert gc.get_threshold() == thresholds and gc.get_freeze_count() == frozen
