@@ -51,6 +51,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from json_out import write_json  # noqa: E402
 from nexussched_repro import SCENARIOS, SLOS, WORKLOADS, _requests, simulate_point  # noqa: E402
 
+from gateway.policies.prism import PrismParams  # noqa: E402
+
 
 class Cell(NamedTuple):
     scenario: str  # a key of nexussched_repro.SCENARIOS
@@ -152,8 +154,6 @@ def _with(params: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
 
 def _default(key: str) -> Any:
     """PRISM's default for a `SWEEP` key ("weights.load": the load weight)."""
-    from gateway.policies.prism import PrismParams  # noqa: PLC0415
-
     value: Any = PrismParams()
     for part in key.split("."):
         value = getattr(value, part)
