@@ -25,7 +25,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,6 +36,7 @@ from pydantic import ValidationError
 
 from engine_agent.star.predictor import LengthPredictor
 from engine_agent.tokenization import Tokenizer
+from gateway.admission.core import AdmissionParams
 from gateway.rescheduling.length_stages import StagesConfigError, StagesPlanFile
 from loadgen import cascade_plan
 from loadgen.arrivals import ArrivalSpec, schedule
@@ -216,6 +217,9 @@ def _sim_flags(p: argparse.ArgumentParser, *, single_policy: bool) -> None:
     else:
         p.add_argument("--deciders", type=_positive_ints, default=(1,), metavar="N1,N2,...",
                        help=workers + "; a list compares each variant at every count")
+    p.add_argument("--no-admission", action="store_true",
+                   help="run without the gateway's admission gate (on by default, as in the gateway: a queue "
+                        "in front of the fleet's sequence slots that sheds what cannot meet its TTFT SLO)")
     p.add_argument("--decider-assignment", choices=DECIDER_ASSIGNMENTS, default="random",
                    help="how requests reach workers: random (a connection per request, a seeded uniform "
                         "draw) or session (a keep-alive connection per session: a hash of the session id)")
@@ -494,7 +498,8 @@ def _sim_options(args: argparse.Namespace, policy: str, engines: Sequence[Engine
                       kv_transfer_latency_s=args.kv_transfer_latency_ms / 1000.0,
                       prediction_interval=args.prediction_interval, predictor=predictor,
                       predictor_bins=args.predictor_bins, balance_figures=args.reschedule is not None,
-                      cascade=cascade_sim(args), stages_plan=stages_plan, stages_history=history)
+                      cascade=cascade_sim(args), stages_plan=stages_plan, stages_history=history,
+                      admission=None if args.no_admission else AdmissionParams())
 
 
 STAGES_HISTORY_REQUESTS = 2000  # length_stages' first window: this many dataset requests after the run's
@@ -668,6 +673,9 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
     _print_bill(result)
     if result.balance is not None:
         _print_balance(result.balance)
+    gate = _admission_totals(result.per_decider)
+    if gate:
+        print(f"{'Admission gate (requests):':<36}{', '.join(f'{k} {v}' for k, v in sorted(gate.items()))}")
     if options.deciders > 1:
         print(f"{'Decisions per decider:':<36}{' / '.join(str(d['decisions']) for d in result.per_decider)} "
               f"({options.decider_assignment})")
@@ -685,13 +693,22 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
               "policy_params": dict(options.policy_params), "state_interval_ms": args.state_interval_ms,
               "report_delay_ms": args.report_delay_ms, "lens": args.lens,
               "lens_state": not args.no_lens_state, "deciders": args.deciders,
-              "decider_assignment": args.decider_assignment,
+              "decider_assignment": args.decider_assignment, "admission": not args.no_admission,
               "reschedule": arm if args.reschedule else None, **_star_config(args), **cascade_config(args)}
     if result.cascade is not None:
         print_cascade(result.cascade)
     _write(args, {**summary.to_dict(), **extra}, config, result.outcomes, result.timeline,
            f"simulated {args.dataset}: {args.policy} on {fleet_label}")
     return 0 if summary.completed else 1
+
+
+def _admission_totals(per_decider: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The admission gate's outcomes summed over the deciders (empty when it never queued nor shed)."""
+    totals: dict[str, int] = {}
+    for row in per_decider:
+        for outcome, n in row.get("admission", {}).items():
+            totals[outcome] = totals.get(outcome, 0) + n
+    return totals
 
 
 def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:
@@ -748,7 +765,7 @@ def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpe
                   "policy_params": params, "lens": args.lens, "lens_state": not args.no_lens_state,
                   "ablation": args.ablation, "stages_ablation": args.stages_ablation,
                   "deciders": list(args.deciders),
-                  "decider_assignment": args.decider_assignment,
+                  "decider_assignment": args.decider_assignment, "admission": not args.no_admission,
                   "state_interval_ms": args.state_interval_ms, "report_delay_ms": args.report_delay_ms,
                   "seeds": list(seeds) if seeds is not None else None,
                   "reschedule": list(args.reschedule) if args.reschedule else None, **_star_config(args)}

@@ -4,9 +4,9 @@ shedding.
 Owns: `AdmissionParams`; `ModelQueue`, one model's state (requests dispatched through it, the queue, recent
 completions) and its decisions (`arrive`, `pump`, `leave`); `fleet_slots` and `predicted_engine_ttft_s`, what
 it reads from a `ClusterSnapshot`. The live `AdmissionGate` (`gateway.admission.gate`) runs it with futures
-and the clock. Not yet in `loadgen simulate`: a queued request dispatched at another request's finish breaks
-the runner's rule that engines interact only at its sync points, so simulated runs have no gateway queue
-(they diverge from the live gateway once a model's slots are full; the known gap issue 17 closes).
+and the clock; `loadgen simulate` runs it in virtual time (`loadgen.simulate.runner`, `SimOptions.admission`:
+while requests wait, the simulated fleet advances from one iteration completion to the next so a queued
+request goes at the finish that frees its slot).
 Must not: import asyncio, aiohttp, grpc, prometheus or time, read a clock (times are arguments), or route.
 
 The model (one per served model):

@@ -29,6 +29,10 @@ Semantics
   engine at once (no network delay on the request path). `note_finish` follows the finish. A policy that
   returns None gives a failed outcome "no engine available ..." (the gateway's 503); a request the engine
   refuses (e.g. prompt + max_tokens over its context) a failed outcome with the engine's message (the 400).
+  Before routing, the arrival passes the gateway's admission gate (`SimOptions.admission`, on by default as
+  live; `gateway.admission.core`): while the fleet's sequence slots are full it waits in the gateway's queue
+  and is routed at the finish that frees a slot, or is shed (a failed outcome "fleet saturated ... (reason)",
+  the gateway's 503) when the queue is full or its predicted wait misses its TTFT SLO.
 - Requests with a forced output length get max_tokens = that length and ignore_eos; the others (a forced
   length of 0 counts as none) max_tokens = `max_output_tokens_default`, and the engine draws their length
   from its profile's distribution with its seed and the request id, exactly as a live sim agent does.

@@ -12,9 +12,12 @@ taken and pushed, and the load-balance figures of timeline samples. Migrations t
 Must not: model engines (that is `SimEngine`, invariant I2), decide anything of a
 request's life (routing, retries, what a finish records: `gateway.dispatch.life` does, as it does live;
 invariant I1), or read a clock other than the injected wall clock used only for `SimResult.wall_s` (virtual
-time is data, invariant I3). Not run here yet: the gateway's admission gate (`gateway.admission`, see its
-core's docstring) and its retry budget (simulated engines never fail before their first event, so no retry
-is ever asked for).
+time is data, invariant I3). The gateway's admission gate runs here as live (`gateway.admission.core`'s
+`ModelQueue`, one per decider; `SimOptions.admission`): an arrival enters it before routing; a queued one is
+routed at the finish (or failure) that frees its slot, with its own arrival time, for which the fleet advances
+completion by completion while anything waits; a shed one is a failed outcome (live, 503 fleet_saturated).
+Not run here: the retry budget (simulated engines never fail before their first event, so no retry is ever
+asked for).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from operator import sub
 from typing import Any
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
+from gateway.admission.core import ModelQueue, Ticket, best_engine_ttft_s, fleet_slots
 from gateway.dispatch.features import RoutingHints
 from gateway.dispatch.life import (
     ChoiceLife,
@@ -127,6 +131,17 @@ class _Run:
         last_arrival_s = self.schedule[-1][0] if self.schedule else self.t0
         for node in nodes:
             node.billed_from_s = self.t0
+        # The admission gate, one per decider (each gateway worker runs its own), as live; none for a
+        # cascade: its model has no engines of its own, so the live gate's slots are 0 and it lets every
+        # request through.
+        self.gates: list[ModelQueue] | None = (
+            [ModelQueue(options.admission) for _ in self.deciders]
+            if options.admission is not None and options.cascade is None else None)
+        self.tickets: dict[str, tuple[ModelQueue, Ticket]] = {}  # request id -> its admitted ticket
+        # id(queued ticket) -> (schedule index, request, its decider, arrival s)
+        self.waiting: dict[int, tuple[int, Request, Decider, float]] = {}
+        self.gate_left = False  # a ticket left since the last pump
+        self.admission: list[dict[str, int]] = [{} for _ in range(options.deciders)]  # per decider: outcomes
         self.cascade = (CascadeRun(options.cascade, seed=options.seed, dispatch=self._dispatch,
                                    finalize=self._finalize, t0=self.t0)
                         if options.cascade is not None else None)
@@ -240,9 +255,12 @@ class _Run:
     # ---- events ------------------------------------------------------------------------------------------
 
     def _sync(self, now_s: float) -> None:
-        """Bring every engine to `now_s`, then hand over what the gateway has received by then."""
+        """Bring every engine to `now_s`, then hand over what the gateway has received by then (and admit what
+        the admission gates' queues may let go)."""
         self._advance_all(now_s)
         self._receive(now_s)
+        if self.gate_left:
+            self._pump(now_s)
 
     def _receive(self, now_s: float) -> None:
         states = self.states
@@ -287,6 +305,16 @@ class _Run:
                 if cascade.next_s <= at_s:
                     self._receive(at_s)
                     cascade.run_due(at_s)
+        if self.gates is not None and self.waiting:
+            # Requests wait in a gateway queue: the fleet advances from one iteration completion to the next,
+            # and the queue lets requests go at the finish that frees their slots, as the live gate does.
+            while self.waiting and (at_s := min(node.done_s for node in nodes)) <= until_s:
+                for node in nodes:
+                    if node.done_s <= at_s:
+                        advance(node, at_s)
+                if self.gate_left:
+                    self._receive(at_s)
+                    self._pump(at_s)
         for node in nodes:
             if node.done_s <= until_s:
                 advance(node, until_s)
@@ -296,12 +324,89 @@ class _Run:
         if self.cascade is not None:
             self.cascade.arrive(index, now_s, request)
             return
-        self._dispatch(index, now_s, request, self.model)
+        decider = self.deciders[self.assign(request.session_id or "")]
+        if self.gates is None:
+            self._dispatch(index, now_s, request, self.model, decider)
+            return
+        if self._enter(index, now_s, request, decider):
+            self._dispatch(index, now_s, request, self.model, decider)
+        if self.gate_left:  # it failed at once (live: its `leave` pumps)
+            self._pump(now_s)
 
-    def _dispatch(self, index: int, now_s: float, request: Request, model: str) -> None:
-        """Route `request` (for `model`) through its `ChoiceLife` and admit it on the chosen engine."""
+    # ---- the admission gate (gateway.admission.core, as `AdmissionGate` runs it live) ---------------------
+
+    def _enter(self, index: int, now_s: float, request: Request, decider: Decider) -> bool:
+        """The live gate's `enter` for an arrival on `decider`: True when admitted now; else the request
+        waits in the queue (`_pump` dispatches it) or was shed (a failed outcome: live, a 503
+        fleet_saturated). Its priority is 0 and its prompt the trace's count (live: the gateway's
+        estimate)."""
+        assert self.gates is not None and self.options.admission is not None
+        gate = self.gates[decider.index]
+        self._pump_gate(decider, gate, now_s)  # live: the fleet may have grown since the last leave
+        snapshot = decider.state.snapshot(now_s)
+        capacity = fleet_slots(snapshot, self.model, self.options.admission)
+        ticket = Ticket(priority=0, arrival_s=now_s)
+        at_once = gate.queued == 0 and gate.dispatched + 1 <= capacity
+        # The engines' TTFT only matters to a request that does not go at once (live computes it regardless).
+        engine_ttft_s = (best_engine_ttft_s(snapshot, self.model, request.prompt_tokens)
+                         if capacity and not at_once else None)
+        arrival = gate.arrive(ticket, now_s, capacity, engine_ttft_s, self.options.slo_ttft_s)
+        counts = self.admission[decider.index]  # "admitted", "queued" (let go later) or "shed_<reason>"
+        outcome = arrival.outcome if arrival.shed is None else f"shed_{arrival.shed.reason}"
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if arrival.preempted is not None:
+            victim = arrival.preempted
+            counts["shed_preempted"] = counts.get("shed_preempted", 0) + 1
+            v_index, v_request, _, v_arrival_s = self.waiting.pop(id(victim.ticket))
+            self._fail(v_index, now_s, v_request, self._saturated(victim.reason), None, arrival_s=v_arrival_s)
+        if arrival.outcome == "admitted":
+            self.tickets[request.request_id] = (gate, ticket)
+            return True
+        if arrival.shed is not None:
+            self._fail(index, now_s, request, self._saturated(arrival.shed.reason), None)
+            return False
+        self.waiting[id(ticket)] = (index, request, decider, now_s)
+        return False
+
+    def _saturated(self, reason: str) -> str:
+        return f"fleet saturated for model {self.model!r} ({reason})"  # live: 503 fleet_saturated
+
+    def _pump(self, now_s: float) -> None:
+        """After tickets left: every gate lets go what its slots now allow (live, `leave` pumps)."""
+        assert self.gates is not None
+        while self.gate_left:
+            self.gate_left = False
+            for decider, gate in zip(self.deciders, self.gates, strict=True):
+                self._pump_gate(decider, gate, now_s)
+
+    def _pump_gate(self, decider: Decider, gate: ModelQueue, now_s: float) -> None:
+        if not gate.queued:
+            return
+        assert self.options.admission is not None
+        capacity = fleet_slots(decider.state.snapshot(now_s), self.model, self.options.admission)
+        for ticket in gate.pump(capacity, now_s):
+            index, request, _, arrival_s = self.waiting.pop(id(ticket))
+            self.tickets[request.request_id] = (gate, ticket)
+            self._dispatch(index, now_s, request, self.model, decider, arrival_s=arrival_s)
+
+    def _leave_gate(self, rid: str, now_s: float) -> None:
+        """The request's life ended (however): its ticket leaves the gate (live: the handler's `finally`)."""
+        held = self.tickets.pop(rid, None)
+        if held is not None:
+            held[0].leave(held[1], now_s)
+            self.gate_left = True
+
+    # ---- dispatch ----------------------------------------------------------------------------------------
+
+    def _dispatch(self, index: int, now_s: float, request: Request, model: str,
+                  decider: Decider | None = None, *, arrival_s: float | None = None) -> None:
+        """Route `request` (for `model`) through its `ChoiceLife` and admit it on the chosen engine (by
+        `decider`, else the one the arrival reaches; `arrival_s`: when it arrived, if it waited in the
+        gateway's queue until `now_s`)."""
         session_id = request.session_id or ""
-        decider = self.deciders[self.assign(session_id)]
+        if decider is None:
+            decider = self.deciders[self.assign(session_id)]
+        arrived_s = now_s if arrival_s is None else arrival_s
         state = decider.state
         session_engine, session_last_used_s = (
             state.session_lookup(session_id, now_s) if session_id else (None, 0.0))
@@ -311,7 +416,7 @@ class _Run:
         prompt_ids = self.prompt_ids.of(request)
         engine_request = engine_request_of(request, model, max_tokens, forced, prompt_ids)
         options = self.options
-        hints = RoutingHints(arrival_s=now_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
+        hints = RoutingHints(arrival_s=arrived_s, session_id=session_id, slo_ttft_s=options.slo_ttft_s,
                              slo_tpot_s=options.slo_tpot_s)
         prefix_keys, prefix_hits = prefix_lookup(
             engine_request, decider.policy, lambda keys, source: state.prefix_match(keys, source, now_s))
@@ -327,7 +432,7 @@ class _Run:
             if self.on_decision is not None:
                 self.on_decision(decision)
             if isinstance(decision, GiveUp | Shed):  # live: 503 no engine / 503 fleet_saturated
-                self._fail(index, now_s, request, decision.message, None)
+                self._fail(index, now_s, request, decision.message, None, arrival_s=arrived_s)
                 return
             record_dispatch(state, decision)
             node = self.by_id[decision.engine_id]
@@ -339,7 +444,7 @@ class _Run:
             after = life.on_unavailable(DRAINING_ERROR, now_s, decider.rng.random())
             self._release(life, decider)
             if isinstance(after, GiveUp):
-                self._fail(index, now_s, request, after.message, node.engine_id)
+                self._fail(index, now_s, request, after.message, node.engine_id, arrival_s=arrived_s)
                 return
             # Simulated lives carry no retry budget, so a retry has no backoff: route again at once.
         rid = request.request_id
@@ -353,7 +458,7 @@ class _Run:
             node.engine.add_request(backend_request, now_s)
         except ValueError as exc:  # live: the agent refuses it (INVALID_ARGUMENT), the gateway answers 400
             self._release(life, decider)
-            self._fail(index, now_s, request, str(exc), node.engine_id)
+            self._fail(index, now_s, request, str(exc), node.engine_id, arrival_s=arrived_s)
             return
         # Live: the agent's `admitted` event; no retry after it, and a success for outlier detection.
         record_outcome(state, life.on_first_event(now_s))
@@ -457,6 +562,8 @@ class _Run:
         times = self.times_of.pop(rid)
         index, life, decider = self.info.pop(rid)
         self.left(node, rid, now_s)
+        if self.gates is not None:
+            self._leave_gate(rid, now_s)
         arrival_s = life.hints.arrival_s
         fresh = len(times) - life.relayed
         if fresh > 0:
@@ -498,20 +605,27 @@ class _Run:
         self.times_of.pop(rid)
         self.requests.pop(rid, None)
         index, life, _ = self.info.pop(rid)
+        if self.gates is not None:
+            self._leave_gate(rid, now_s)
         arrival_s = life.hints.arrival_s
         self.last_event_s = max(self.last_event_s, now_s)
         self.outcomes[index] = Outcome(
             request_id=rid, success=False, prompt_tokens=self.schedule[index][1].prompt_tokens,
             arrival_s=arrival_s - self.t0, start_s=arrival_s - self.t0, error=error)
 
-    def _fail(self, index: int, now_s: float, request: Request, error: str, engine_id: str | None) -> None:
+    def _fail(self, index: int, now_s: float, request: Request, error: str, engine_id: str | None, *,
+              arrival_s: float | None = None) -> None:
+        """A failed outcome at `now_s` of the request that arrived at `arrival_s` (default: now)."""
         self.last_event_s = max(self.last_event_s, now_s)
         if self.cascade is not None and self.cascade.owns(request.request_id):
             self.cascade.on_stage_failed(request.request_id, error, now_s)
             return
+        if self.gates is not None:
+            self._leave_gate(request.request_id, now_s)
+        arrived_s = (now_s if arrival_s is None else arrival_s) - self.t0
         self.outcomes[index] = Outcome(
             request_id=request.request_id, success=False, prompt_tokens=request.prompt_tokens,
-            arrival_s=now_s - self.t0, start_s=now_s - self.t0, error=error, engine_id=engine_id)
+            arrival_s=arrived_s, start_s=arrived_s, error=error, engine_id=engine_id)
 
     def _finalize(self, index: int, outcome: Outcome, now_s: float) -> None:
         """A cascade request's client-facing outcome at `now_s` (its answering stage is known)."""
@@ -591,8 +705,10 @@ def simulate(
     cost_usd = bill(billed, run.t0, run.t0 + duration_s)
     tokens = sum(o.prompt_tokens + o.output_tokens for o in outcomes if o.success)
     per_decider: list[dict[str, Any]] = [
-        {"decisions": made, "dispatched": accepted, **({"why": whys} if whys else {})}
-        for made, accepted, whys in zip(run.decisions, run.dispatched, run.whys, strict=True)]
+        {"decisions": made, "dispatched": accepted, **({"why": whys} if whys else {}),
+         **({"admission": gate} if gate.keys() - {"admitted"} else {})}  # when the gate queued or shed
+        for made, accepted, whys, gate in zip(run.decisions, run.dispatched, run.whys, run.admission,
+                                              strict=True)]
     if run.balance:
         rows = (run.migrations.rows() if run.migrations is not None
                 else [MoveStats().row() for _ in per_decider])

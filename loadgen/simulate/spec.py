@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from engine_agent.star.predictor import LengthPredictor
+from gateway.admission.core import AdmissionParams
 from gateway.dispatch.mover import MoveParams
 from gateway.planning.autoscaler import Action, AutoscalerParams
 from gateway.planning.ilp import Solver
@@ -143,6 +144,10 @@ class SimOptions:
     peak KV use and migrations; per timeline sample the execution-time variance and the fullest engine's KV
     use; per decider its rescheduler's figures); `records_balance` says whether they are: also whenever
     `reschedule` is not "none".
+    `admission`: the gateway's admission gate (`gateway.admission.core.ModelQueue`, the live gate's decisions:
+    a priority queue per model in front of the fleet's sequence slots, shedding what cannot meet its TTFT
+    SLO), one per decider as each gateway worker has its own; on by default with the gateway's defaults, as
+    the live gateway runs it (`AdmissionConfig.enabled`); None: off.
     """
 
     policy: str = "round_robin"
@@ -174,6 +179,7 @@ class SimOptions:
     cascade: CascadeSim | None = None  # requests run a cascade's stages (loadgen.simulate.cascade)
     stages_plan: StagesPlanFile | None = None  # length_stages' first plan (else one stage until re-planned)
     stages_history: tuple[tuple[int, int], ...] = ()  # length_stages: (I, O) of earlier requests, its window
+    admission: AdmissionParams | None = field(default_factory=AdmissionParams)
 
     def __post_init__(self) -> None:
         positive = {"state_interval_s": self.state_interval_s, "stale_after_s": self.stale_after_s,

@@ -1,0 +1,87 @@
+"""The gateway's admission gate in the simulator (`SimOptions.admission`, the live gate's `ModelQueue`): what
+the fleet's sequence slots cannot hold waits in the gateway's queue and goes at the finish that frees a slot;
+a full queue or a wait the TTFT SLO cannot absorb sheds the request as a failure; off, every request goes to
+the engines at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.admission.core import AdmissionParams
+from loadgen.cli import main
+from loadgen.datasets import Request
+from loadgen.simulate import EngineSpec, SimOptions, simulate
+
+A100 = "a100-llama3-8b"  # 256 sequence slots (vLLM's default for its class)
+SLOTS = 256
+
+
+def burst(n: int, prompt_tokens: int = 100, output_tokens: int = 50, gap_s: float = 1e-4) -> list[
+        tuple[float, Request]]:
+    return [(gap_s * i, Request(request_id=f"r{i}", prompt_tokens=prompt_tokens, output_tokens=output_tokens))
+            for i in range(n)]
+
+
+def run(schedule: list[tuple[float, Request]], admission: AdmissionParams | None, **options: object):
+    return simulate(schedule, [EngineSpec(A100, 1)],
+                    SimOptions(record_timeline_s=0.01, admission=admission, **options))  # type: ignore[arg-type]
+
+
+def test_requests_beyond_the_fleets_slots_wait_at_the_gateway_and_go_as_slots_free() -> None:
+    result = run(burst(300), AdmissionParams())
+    assert result.per_decider == [{"decisions": 300, "dispatched": 300,
+                                   "admission": {"admitted": SLOTS, "queued": 300 - SLOTS}}]
+    assert max(row["in_flight"] for row in result.timeline) == SLOTS  # never more at the engine
+    assert all(o.success for o in result.outcomes)
+    by_id = {o.request_id: o for o in result.outcomes}
+    first_finish_s = min(o.arrival_s + (o.e2e_s or 0.0) for o in result.outcomes[:SLOTS])
+    for i in range(SLOTS, 300):  # a queued request's TTFT counts its wait from its arrival
+        late = by_id[f"r{i}"]
+        assert late.arrival_s == pytest.approx(1e-4 * i)
+        assert late.arrival_s + (late.ttft_s or 0.0) > first_finish_s
+
+
+def test_without_the_gate_every_request_goes_to_the_engines_at_once() -> None:
+    result = run(burst(300), None)
+    assert result.per_decider == [{"decisions": 300, "dispatched": 300}]
+    assert max(row["in_flight"] for row in result.timeline) == 300
+    assert all(o.success for o in result.outcomes)
+
+
+def test_a_gate_that_never_queues_leaves_the_run_as_it_was() -> None:
+    light = burst(100, gap_s=0.01)
+    gated, open_ = run(light, AdmissionParams()), run(light, None)
+    assert gated.outcomes == open_.outcomes
+    assert gated.per_decider == open_.per_decider  # no admission row: it neither queued nor shed
+
+
+def test_a_full_queue_sheds_the_newcomer_as_a_failure_at_its_arrival() -> None:
+    result = run(burst(300), AdmissionParams(max_queue=10))
+    assert result.per_decider[0]["admission"] == {"admitted": SLOTS, "queued": 10, "shed_queue_full": 34}
+    failed = [o for o in result.outcomes if not o.success]
+    assert [o.request_id for o in failed] == [f"r{i}" for i in range(SLOTS + 10, 300)]
+    assert all("fleet saturated" in (o.error or "") and "queue_full" in (o.error or "") for o in failed)
+    assert all(o.arrival_s == pytest.approx(1e-4 * int(o.request_id[1:])) for o in failed)
+
+
+def test_a_wait_the_ttft_slo_cannot_absorb_is_shed_once_the_completion_rate_is_known() -> None:
+    """Sustained overload with long outputs: the queue's predicted wait (queued ahead / completion rate)
+    exceeds a 1 s TTFT SLO, so newcomers are shed as slo_unattainable; without an SLO nothing is shed on
+    prediction (only a full queue sheds)."""
+    overload = burst(3000, prompt_tokens=500, output_tokens=400, gap_s=0.01)
+    with_slo = run(overload, AdmissionParams(), slo_ttft_s=1.0)
+    gate = with_slo.per_decider[0]["admission"]
+    assert gate.get("shed_slo_unattainable", 0) > 0
+    failed = sum(not o.success for o in with_slo.outcomes)
+    assert failed == sum(n for k, n in gate.items() if k.startswith("shed_"))
+    no_slo = run(overload, AdmissionParams())
+    assert "shed_slo_unattainable" not in no_slo.per_decider[0]["admission"]
+
+
+def test_the_simulate_command_runs_without_the_gate_on_request(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    args = ["simulate", "--dataset", "synth:in=100,out=50,n=300", "--rate", "inf",
+            "--engines", f"{A100}:1", "--seed", "1"]
+    assert main([*args, "--output", str(tmp_path / "gated.json")]) == 0
+    assert "Admission gate (requests):" in capsys.readouterr().out
+    assert main([*args, "--no-admission", "--output", str(tmp_path / "open.json")]) == 0
+    assert "Admission gate" not in capsys.readouterr().out
