@@ -2,11 +2,12 @@
 shedding.
 
 Owns: `AdmissionParams`; `ModelQueue`, one model's state (requests dispatched through it, the queue, recent
-completions) and its decisions (`arrive`, `pump`, `leave`); `fleet_slots` and `predicted_engine_ttft_s`, what
-it reads from a `ClusterSnapshot`. The live `AdmissionGate` (`gateway.admission.gate`) runs it with futures
-and the clock; `loadgen simulate` runs it in virtual time (`loadgen.simulate.runner`, `SimOptions.admission`:
-while requests wait, the simulated fleet advances from one iteration completion to the next so a queued
-request goes at the finish that frees its slot).
+completions) and its decisions (`arrive`, `pump`, `leave`; `enter` and `pump_fleet` take the slots and the
+engines' TTFT from a `ClusterSnapshot`, as both executors call them); `fleet_slots` and
+`predicted_engine_ttft_s`, what it reads from a snapshot. The live `AdmissionGate` (`gateway.admission.gate`)
+runs it with futures and the clock; `loadgen simulate` runs it in virtual time (`loadgen.simulate.runner`,
+`SimOptions.admission`: while requests wait, the simulated fleet advances from one iteration completion to
+the next so a queued request goes at the finish that frees its slot).
 Must not: import asyncio, aiohttp, grpc, prometheus or time, read a clock (times are arguments), or route.
 
 The model (one per served model):
@@ -167,12 +168,30 @@ class ModelQueue:
             done.popleft()
         return len(done) / window_s
 
+    def enter(
+        self, ticket: Ticket, now_s: float, snapshot: ClusterSnapshot, model: str, prompt_tokens: int,
+        slo_ttft_s: float | None,
+    ) -> Arrival:
+        """`arrive` on `model`'s fleet in `snapshot`: its slots, and the best engine's TTFT for a ticket that
+        cannot go at once (one that can needs no prediction: the walk over the engines is skipped)."""
+        slots = fleet_slots(snapshot, model, self.params)
+        engine_ttft_s = (best_engine_ttft_s(snapshot, model, prompt_tokens)
+                         if slots > 0 and not self._goes_at_once(ticket, slots) else None)
+        return self.arrive(ticket, now_s, slots, engine_ttft_s, slo_ttft_s)
+
+    def pump_fleet(self, snapshot: ClusterSnapshot, model: str, now_s: float) -> list[Ticket]:
+        """`pump` with `model`'s slots in `snapshot`."""
+        return self.pump(fleet_slots(snapshot, model, self.params), now_s)
+
+    def _goes_at_once(self, ticket: Ticket, slots: int) -> bool:
+        return slots <= 0 or (self._queued == 0 and self.dispatched + ticket.slots <= slots)
+
     def arrive(
         self, ticket: Ticket, now_s: float, slots: int, engine_ttft_s: float | None, slo_ttft_s: float | None
     ) -> Arrival:
         self._seq += 1
         ticket.seq = self._seq
-        if slots <= 0 or (self._queued == 0 and self.dispatched + ticket.slots <= slots):
+        if self._goes_at_once(ticket, slots):
             self._admit(ticket)
             return Arrival("admitted", predicted_ttft_s=engine_ttft_s)
         ahead = sum(1 for p, _, t in self._heap if t.state == "queued" and p <= ticket.priority)

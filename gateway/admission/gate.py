@@ -15,14 +15,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.admission.core import (
-    AdmissionParams,
-    ModelQueue,
-    ShedReason,
-    Ticket,
-    best_engine_ttft_s,
-    fleet_slots,
-)
+from gateway.admission.core import AdmissionParams, ModelQueue, ShedReason, Ticket
 from gateway.domain import ClusterSnapshot
 from gateway.observability.metrics import GatewayMetrics
 from switchyard.clock import Clock
@@ -80,11 +73,8 @@ class AdmissionGate:
         now_s = self._clock.now()
         queue = self._queue(model)
         self._pump(model, queue)  # the fleet may have grown since the last leave
-        snapshot = self._snapshot()
-        capacity = fleet_slots(snapshot, model, self.params)
         ticket = Ticket(priority=priority, arrival_s=now_s, slots=max(1, slots))
-        engine_ttft_s = best_engine_ttft_s(snapshot, model, prompt_tokens) if capacity else None
-        arrival = queue.arrive(ticket, now_s, capacity, engine_ttft_s, slo_ttft_s)
+        arrival = queue.enter(ticket, now_s, self._snapshot(), model, prompt_tokens, slo_ttft_s)
         m = self._metrics
         m.admission.labels(model, arrival.outcome if arrival.outcome != "shed" else "rejected").inc()
         if arrival.preempted is not None:
@@ -120,8 +110,7 @@ class AdmissionGate:
     def _pump(self, model: str, queue: ModelQueue) -> None:
         if not queue.queued:
             return
-        capacity = fleet_slots(self._snapshot(), model, self.params)
-        for ticket in queue.pump(capacity, self._clock.now()):
+        for ticket in queue.pump_fleet(self._snapshot(), model, self._clock.now()):
             permit = self._wakers.get(id(ticket))
             if permit is not None and permit.waker is not None and not permit.waker.done():
                 permit.waker.set_result(None)

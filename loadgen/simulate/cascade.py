@@ -344,7 +344,9 @@ class CascadeRun:
     def next_s(self) -> float:
         return self.due[0][0] if self.due else math.inf
 
-    def arrive(self, index: int, now_s: float, request: Request) -> None:
+    def arrive(self, index: int, now_s: float, request: Request, *, arrival_s: float | None = None) -> None:
+        """The client request's cascade starts at `now_s` (`arrival_s`: when it arrived, if it waited in the
+        gateway's admission queue)."""
         item = request.metadata.get("item")
         if not isinstance(item, int):
             raise ValueError(
@@ -354,7 +356,7 @@ class CascadeRun:
             )
         life = CascadeLife(self.spec, self.breaker)
         self.lives.append(life)
-        pending = _Pending(index, request, now_s, life, item)
+        pending = _Pending(index, request, now_s if arrival_s is None else arrival_s, life, item)
         self.pending[index] = pending
         pending.shadowed = self.monitor is not None and self.monitor.on_arrival()
         self._apply(pending, life.start(), now_s)

@@ -13,9 +13,10 @@ Must not: model engines (that is `SimEngine`, invariant I2), decide anything of 
 request's life (routing, retries, what a finish records: `gateway.dispatch.life` does, as it does live;
 invariant I1), or read a clock other than the injected wall clock used only for `SimResult.wall_s` (virtual
 time is data, invariant I3). The gateway's admission gate runs here as live (`gateway.admission.core`'s
-`ModelQueue`, one per decider; `SimOptions.admission`): an arrival enters it before routing; a queued one is
-routed at the finish (or failure) that frees its slot, with its own arrival time, for which the fleet advances
-completion by completion while anything waits; a shed one is a failed outcome (live, 503 fleet_saturated).
+`ModelQueue.enter` / `pump_fleet`, one per decider; `SimOptions.admission`): an arrival enters it before
+routing (a cascade's on its first stage's model, until the client's answer); a queued one starts at the finish
+(or failure) that frees its slot, with its own arrival time, for which the fleet advances completion by
+completion while anything waits; a shed one is a failed outcome (live, 503 fleet_saturated).
 Not run here: the retry budget (simulated engines never fail before their first event, so no retry is ever
 asked for).
 """
@@ -29,8 +30,8 @@ from operator import sub
 from typing import Any
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
-from gateway.admission.core import ModelQueue, Ticket, best_engine_ttft_s, fleet_slots
-from gateway.dispatch.features import RoutingHints
+from gateway.admission.core import ModelQueue, Ticket
+from gateway.dispatch.features import RoutingHints, estimate_prompt_tokens
 from gateway.dispatch.life import (
     ChoiceLife,
     Decision,
@@ -83,6 +84,14 @@ def engine_request_of(request: Request, model: str, max_tokens: int, ignore_eos:
                          session_id=request.session_id or "")
 
 
+def prompt_estimate(request: Request) -> int:
+    """The prompt size the live gateway admits `request` with (`estimate_prompt_tokens` of its engine
+    request), without drawing its simulated ids: a prompt given as ids is as long as the trace says."""
+    if request.prompt_token_ids is None and (request.messages is not None or request.prompt is not None):
+        return estimate_prompt_tokens(engine_request_of(request, "", 1, False, ()))
+    return len(request.prompt_token_ids) if request.prompt_token_ids is not None else request.prompt_tokens
+
+
 class _Run:
     """One simulation's mutable state; `simulate` builds it, runs it and throws it away."""
 
@@ -131,15 +140,16 @@ class _Run:
         last_arrival_s = self.schedule[-1][0] if self.schedule else self.t0
         for node in nodes:
             node.billed_from_s = self.t0
-        # The admission gate, one per decider (each gateway worker runs its own), as live; none for a
-        # cascade: its model has no engines of its own, so the live gate's slots are 0 and it lets every
-        # request through.
+        # The admission gate, one per decider (each gateway worker runs its own), as live; a cascade's
+        # requests are admitted once, on its first stage's model, until the client's answer (as the live
+        # handler admits them).
         self.gates: list[ModelQueue] | None = (
-            [ModelQueue(options.admission) for _ in self.deciders]
-            if options.admission is not None and options.cascade is None else None)
-        self.tickets: dict[str, tuple[ModelQueue, Ticket]] = {}  # request id -> its admitted ticket
-        # id(queued ticket) -> (schedule index, request, its decider, arrival s)
-        self.waiting: dict[int, tuple[int, Request, Decider, float]] = {}
+            [ModelQueue(options.admission) for _ in self.deciders] if options.admission is not None else None)
+        self.gate_model = (options.cascade.spec.stages[0].model if options.cascade is not None
+                           else self.model)
+        self.tickets: dict[str, tuple[ModelQueue, Ticket]] = {}  # client request id -> its admitted ticket
+        # queued ticket -> (schedule index, request, its decider, arrival s)
+        self.waiting: dict[Ticket, tuple[int, Request, Decider, float]] = {}
         self.gate_left = False  # a ticket left since the last pump
         self.admission: list[dict[str, int]] = [{} for _ in range(options.deciders)]  # per decider: outcomes
         self.cascade = (CascadeRun(options.cascade, seed=options.seed, dispatch=self._dispatch,
@@ -296,6 +306,7 @@ class _Run:
                     self._receive(at_s)
                     while migrations.next_follow_s <= at_s:
                         migrations.follow(at_s)
+                self._pump_left(at_s)
         cascade = self.cascade
         if cascade is not None:
             while (at_s := min(cascade.next_s, min(node.done_s for node in nodes))) <= until_s:
@@ -305,6 +316,7 @@ class _Run:
                 if cascade.next_s <= at_s:
                     self._receive(at_s)
                     cascade.run_due(at_s)
+                self._pump_left(at_s)
         if self.gates is not None and self.waiting:
             # Requests wait in a gateway queue: the fleet advances from one iteration completion to the next,
             # and the queue lets requests go at the finish that frees their slots, as the live gate does.
@@ -312,52 +324,56 @@ class _Run:
                 for node in nodes:
                     if node.done_s <= at_s:
                         advance(node, at_s)
-                if self.gate_left:
-                    self._receive(at_s)
-                    self._pump(at_s)
+                self._pump_left(at_s)
         for node in nodes:
             if node.done_s <= until_s:
                 advance(node, until_s)
 
+    def _pump_left(self, at_s: float) -> None:
+        """With every engine at `at_s`: when tickets left the gates since the last pump and requests wait,
+        what the gateway has received by then, and the queued requests the freed slots let go."""
+        if self.gate_left and self.waiting:
+            self._receive(at_s)
+            self._pump(at_s)
+
     def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
         self._sync(now_s)
-        if self.cascade is not None:
-            self.cascade.arrive(index, now_s, request)
+        if self.gates is None:
+            self._start(index, now_s, request, None)
             return
         decider = self.deciders[self.assign(request.session_id or "")]
-        if self.gates is None:
-            self._dispatch(index, now_s, request, self.model, decider)
-            return
         if self._enter(index, now_s, request, decider):
-            self._dispatch(index, now_s, request, self.model, decider)
+            self._start(index, now_s, request, decider)
         if self.gate_left:  # it failed at once (live: its `leave` pumps)
             self._pump(now_s)
+
+    def _start(self, index: int, now_s: float, request: Request, decider: Decider | None,
+               arrival_s: float | None = None) -> None:
+        """The admitted client request's life begins: its cascade, or its one dispatch."""
+        if self.cascade is not None:
+            self.cascade.arrive(index, now_s, request, arrival_s=arrival_s)
+        else:
+            self._dispatch(index, now_s, request, self.model, decider, arrival_s=arrival_s)
 
     # ---- the admission gate (gateway.admission.core, as `AdmissionGate` runs it live) ---------------------
 
     def _enter(self, index: int, now_s: float, request: Request, decider: Decider) -> bool:
         """The live gate's `enter` for an arrival on `decider`: True when admitted now; else the request
         waits in the queue (`_pump` dispatches it) or was shed (a failed outcome: live, a 503
-        fleet_saturated). Its priority is 0 and its prompt the trace's count (live: the gateway's
-        estimate)."""
-        assert self.gates is not None and self.options.admission is not None
+        fleet_saturated). Its priority is 0 (traces carry none) and its prompt the gateway's estimate."""
+        assert self.gates is not None
         gate = self.gates[decider.index]
         self._pump_gate(decider, gate, now_s)  # live: the fleet may have grown since the last leave
-        snapshot = decider.state.snapshot(now_s)
-        capacity = fleet_slots(snapshot, self.model, self.options.admission)
         ticket = Ticket(priority=0, arrival_s=now_s)
-        at_once = gate.queued == 0 and gate.dispatched + 1 <= capacity
-        # The engines' TTFT only matters to a request that does not go at once (live computes it regardless).
-        engine_ttft_s = (best_engine_ttft_s(snapshot, self.model, request.prompt_tokens)
-                         if capacity and not at_once else None)
-        arrival = gate.arrive(ticket, now_s, capacity, engine_ttft_s, self.options.slo_ttft_s)
+        arrival = gate.enter(ticket, now_s, decider.state.snapshot(now_s), self.gate_model,
+                             prompt_estimate(request), self.options.slo_ttft_s)
         counts = self.admission[decider.index]  # "admitted", "queued" (let go later) or "shed_<reason>"
         outcome = arrival.outcome if arrival.shed is None else f"shed_{arrival.shed.reason}"
         counts[outcome] = counts.get(outcome, 0) + 1
         if arrival.preempted is not None:
             victim = arrival.preempted
             counts["shed_preempted"] = counts.get("shed_preempted", 0) + 1
-            v_index, v_request, _, v_arrival_s = self.waiting.pop(id(victim.ticket))
+            v_index, v_request, _, v_arrival_s = self.waiting.pop(victim.ticket)
             self._fail(v_index, now_s, v_request, self._saturated(victim.reason), None, arrival_s=v_arrival_s)
         if arrival.outcome == "admitted":
             self.tickets[request.request_id] = (gate, ticket)
@@ -365,11 +381,11 @@ class _Run:
         if arrival.shed is not None:
             self._fail(index, now_s, request, self._saturated(arrival.shed.reason), None)
             return False
-        self.waiting[id(ticket)] = (index, request, decider, now_s)
+        self.waiting[ticket] = (index, request, decider, now_s)
         return False
 
     def _saturated(self, reason: str) -> str:
-        return f"fleet saturated for model {self.model!r} ({reason})"  # live: 503 fleet_saturated
+        return f"fleet saturated for model {self.gate_model!r} ({reason})"  # live: 503 fleet_saturated
 
     def _pump(self, now_s: float) -> None:
         """After tickets left: every gate lets go what its slots now allow (live, `leave` pumps)."""
@@ -382,12 +398,10 @@ class _Run:
     def _pump_gate(self, decider: Decider, gate: ModelQueue, now_s: float) -> None:
         if not gate.queued:
             return
-        assert self.options.admission is not None
-        capacity = fleet_slots(decider.state.snapshot(now_s), self.model, self.options.admission)
-        for ticket in gate.pump(capacity, now_s):
-            index, request, _, arrival_s = self.waiting.pop(id(ticket))
+        for ticket in gate.pump_fleet(decider.state.snapshot(now_s), self.gate_model, now_s):
+            index, request, _, arrival_s = self.waiting.pop(ticket)
             self.tickets[request.request_id] = (gate, ticket)
-            self._dispatch(index, now_s, request, self.model, decider, arrival_s=arrival_s)
+            self._start(index, now_s, request, decider, arrival_s)
 
     def _leave_gate(self, rid: str, now_s: float) -> None:
         """The request's life ended (however): its ticket leaves the gate (live: the handler's `finally`)."""
@@ -629,6 +643,8 @@ class _Run:
 
     def _finalize(self, index: int, outcome: Outcome, now_s: float) -> None:
         """A cascade request's client-facing outcome at `now_s` (its answering stage is known)."""
+        if self.gates is not None:
+            self._leave_gate(outcome.request_id, now_s)
         self.last_event_s = max(self.last_event_s, now_s)
         self.outcomes[index] = outcome
 

@@ -146,8 +146,9 @@ class SimOptions:
     `reschedule` is not "none".
     `admission`: the gateway's admission gate (`gateway.admission.core.ModelQueue`, the live gate's decisions:
     a priority queue per model in front of the fleet's sequence slots, shedding what cannot meet its TTFT
-    SLO), one per decider as each gateway worker has its own; on by default with the gateway's defaults, as
-    the live gateway runs it (`AdmissionConfig.enabled`); None: off.
+    SLO), one per decider as each gateway worker has its own, a cascade's requests admitted on its first
+    stage's model; on by default with the gateway's defaults, as the live gateway runs it
+    (`AdmissionConfig.enabled`); None: off.
     """
 
     policy: str = "round_robin"

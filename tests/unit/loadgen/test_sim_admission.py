@@ -1,16 +1,19 @@
 """The gateway's admission gate in the simulator (`SimOptions.admission`, the live gate's `ModelQueue`): what
 the fleet's sequence slots cannot hold waits in the gateway's queue and goes at the finish that frees a slot;
-a full queue or a wait the TTFT SLO cannot absorb sheds the request as a failure; off, every request goes to
-the engines at once."""
+a full queue or a wait the TTFT SLO cannot absorb sheds the request as a failure; a cascade is admitted on
+its first stage's model; off, every request goes to the engines at once."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.admission.core import AdmissionParams
+from gateway.cascade.core import parse_cascade
+from gateway.cascade.quality import mt_bench_profile
 from loadgen.cli import main
 from loadgen.datasets import Request
-from loadgen.simulate import EngineSpec, SimOptions, simulate
+from loadgen.simulate import EngineSpec, SimOptions, parse_engines, simulate
+from loadgen.simulate.cascade import CascadeSim, SimJudge, cascade_requests
 
 A100 = "a100-llama3-8b"  # 256 sequence slots (vLLM's default for its class)
 SLOTS = 256
@@ -85,3 +88,21 @@ def test_the_simulate_command_runs_without_the_gate_on_request(tmp_path, capsys)
     assert "Admission gate (requests):" in capsys.readouterr().out
     assert main([*args, "--no-admission", "--output", str(tmp_path / "open.json")]) == 0
     assert "Admission gate" not in capsys.readouterr().out
+
+
+def test_a_cascade_is_admitted_once_on_its_first_stages_model_until_the_clients_answer() -> None:
+    """As the live handler: the gate holds a cascade request from arrival to its answer on the first stage's
+    slots (one A100 serving llama3-8b: 256), whatever stages it runs; the rest queue, or are shed when the
+    queue is full."""
+    profile = mt_bench_profile()
+    requests = cascade_requests(profile, "mt-bench", 300, seed=3, first_model="llama3-8b")
+    schedule = [(1e-4 * i, r) for i, r in enumerate(requests)]
+    sim = CascadeSim(parse_cascade("c=llama3-8b:90,llama3-70b"), profile, SimJudge())
+    fleet = parse_engines(f"{A100}:1,h100x4-llama3-70b:1")
+    gated = simulate(schedule, fleet, SimOptions(cascade=sim, seed=3))
+    assert gated.per_decider[0]["admission"] == {"admitted": SLOTS, "queued": 300 - SLOTS}
+    assert all(o.success for o in gated.outcomes)
+    full = simulate(schedule, fleet, SimOptions(cascade=sim, seed=3, admission=AdmissionParams(max_queue=0)))
+    assert full.per_decider[0]["admission"] == {"admitted": SLOTS, "shed_queue_full": 300 - SLOTS}
+    shed = [o for o in full.outcomes if not o.success]
+    assert len(shed) == 300 - SLOTS and all("'llama3-8b' (queue_full)" in (o.error or "") for o in shed)
