@@ -1,5 +1,6 @@
 """Overload at 2x fleet capacity: with admission control, do admitted requests meet their TTFT SLO, and how
-fast are rejections answered? Baseline in the same invocation: the same load with admission control off.
+fast are rejections answered? Baselines in the same invocation: the same load with admission control off, and
+with it on but without expiry (`admission.shed_expired`: queued requests are kept past their TTFT deadline).
 
 One invocation starts `--agents` sim agents (`--profile`) and, per scenario, a
 gateway in front of them. It first measures the fleet's capacity (requests per second finished by a closed
@@ -169,12 +170,15 @@ def main() -> int:
                 cwd=REPO, stderr=subprocess.DEVNULL))
             targets.append(f"127.0.0.1:{port}")
         model = None
-        for scenario, enabled in (("admission_on", "true"), ("admission_off", "false")):
+        for scenario, enabled, expire in (("admission_on", "true", "true"),
+                                          ("admission_no_expiry", "true", "false"),
+                                          ("admission_off", "false", "true")):
             port = free_port()
             cmd = [sys.executable, "-m", "gateway", "--port", str(port), "--policy", "least_loaded"]
             for t in targets:
                 cmd += ["--engine", t]
-            env = {**os.environ, "SWITCHYARD_GATEWAY_ADMISSION__ENABLED": enabled}
+            env = {**os.environ, "SWITCHYARD_GATEWAY_ADMISSION__ENABLED": enabled,
+                   "SWITCHYARD_GATEWAY_ADMISSION__SHED_EXPIRED": expire}
             gw = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
             try:
                 url = f"http://127.0.0.1:{port}"

@@ -154,6 +154,7 @@ def build_app(
             rate_window_s=a.rate_window_s,
             slo_quantile=a.slo_quantile,
             calibration_samples=a.calibration_samples,
+            shed_expired=a.shed_expired,
         ),
         store.snapshot,
         clock,

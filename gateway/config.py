@@ -163,6 +163,9 @@ class AdmissionConfig(_Frozen):
     # the share of admitted requests that should wait no longer than predicted.
     slo_quantile: float = Field(0.99, gt=0, le=1)
     calibration_samples: int = Field(512, ge=1)
+    # Refuse a queued request (503 fleet_saturated, reason slo_expired) once its TTFT SLO has passed while it
+    # waited: it can no longer meet it, and its slot would be taken from one that still can.
+    shed_expired: bool = True
 
 
 class RescheduleConfig(_Frozen):

@@ -1,10 +1,11 @@
 """The live admission gate: `gateway.admission.core`'s decisions with futures, the clock and metrics.
 
 Owns: `AdmissionGate` (one `ModelQueue` per model; `enter` admits, queues or sheds a request and `leave`
-releases it, waking the queued requests that may go), `Permit`, and `Rejected`, the error the API answers with
-503 (`fleet_saturated`) and a `Retry-After` header. Metrics: `switchyard_admission_total{model,outcome}`,
-`switchyard_admission_rejections_total{model,reason}`, `switchyard_gateway_queue_depth{model}`,
-`switchyard_gateway_queue_wait_seconds`.
+releases it, waking the queued requests that may go; a queued request with a TTFT SLO gets a timer at its
+deadline, when the queue refuses it unless it went before), `Permit`, and `Rejected`, the error the API
+answers with 503 (`fleet_saturated`) and a `Retry-After` header. Metrics:
+`switchyard_admission_total{model,outcome}`, `switchyard_admission_rejections_total{model,reason}`,
+`switchyard_gateway_queue_depth{model}`, `switchyard_gateway_queue_wait_seconds`.
 Must not: route, parse requests or format HTTP.
 """
 
@@ -15,7 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.admission.core import AdmissionParams, ModelQueue, ShedReason, Ticket
+from gateway.admission.core import AdmissionParams, ModelQueue, Shed, ShedReason, Ticket
 from gateway.domain import ClusterSnapshot
 from gateway.observability.metrics import GatewayMetrics
 from switchyard.clock import Clock
@@ -78,7 +79,7 @@ class AdmissionGate:
         m = self._metrics
         m.admission.labels(model, arrival.outcome if arrival.outcome != "shed" else "rejected").inc()
         if arrival.preempted is not None:
-            self._reject_queued(model, arrival.preempted.ticket)
+            self._reject_queued(model, arrival.preempted)
         permit = Permit(model, ticket)
         if arrival.outcome == "admitted":
             return permit
@@ -86,9 +87,14 @@ class AdmissionGate:
             assert arrival.shed is not None
             m.admission_rejections.labels(model, arrival.shed.reason).inc()
             raise Rejected(arrival.shed.reason, arrival.shed.retry_after_s, model)
-        permit.waker = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        permit.waker = loop.create_future()
         self._wakers[id(ticket)] = permit
         m.queue_depth.labels(model).set(queue.queued)
+        # At its TTFT deadline the queue sheds it (`expire`) unless it went before; between leaves and
+        # arrivals nothing else would pump.
+        deadline = (loop.call_later(max(0.0, ticket.deadline_s - now_s), self._pump, model, queue,
+                                    ticket.deadline_s) if ticket.deadline_s is not None else None)
         try:
             await permit.waker
         except asyncio.CancelledError:
@@ -96,6 +102,8 @@ class AdmissionGate:
             raise
         finally:
             self._wakers.pop(id(ticket), None)
+            if deadline is not None:
+                deadline.cancel()
         m.queue_wait.observe(self._clock.now() - now_s)
         return permit
 
@@ -107,20 +115,26 @@ class AdmissionGate:
         queue.leave(permit.ticket, self._clock.now())
         self._pump(permit.model, queue)
 
-    def _pump(self, model: str, queue: ModelQueue) -> None:
+    def _pump(self, model: str, queue: ModelQueue, due_s: float | None = None) -> None:
+        """Refuse the queued requests whose TTFT deadline has passed, then wake those the slots let go.
+        `due_s`: the deadline a timer fired for (it counts as passed even if the timer ran a hair early)."""
         if not queue.queued:
             return
-        for ticket in queue.pump_fleet(self._snapshot(), model, self._clock.now()):
+        now_s = self._clock.now() if due_s is None else max(self._clock.now(), due_s)
+        for shed in queue.expire(now_s):
+            self._reject_queued(model, shed)
+        for ticket in queue.pump_fleet(self._snapshot(), model, now_s):
             permit = self._wakers.get(id(ticket))
             if permit is not None and permit.waker is not None and not permit.waker.done():
                 permit.waker.set_result(None)
         self._metrics.queue_depth.labels(model).set(queue.queued)
 
-    def _reject_queued(self, model: str, ticket: Ticket) -> None:
-        self._metrics.admission_rejections.labels(model, "preempted").inc()
-        permit = self._wakers.get(id(ticket))
+    def _reject_queued(self, model: str, shed: Shed) -> None:
+        """A queued request was refused (preempted, or its deadline passed): its waiter raises `Rejected`."""
+        self._metrics.admission_rejections.labels(model, shed.reason).inc()
+        permit = self._wakers.get(id(shed.ticket))
         if permit is not None and permit.waker is not None and not permit.waker.done():
-            permit.waker.set_exception(Rejected("preempted", ticket.retry_after_s, model))
+            permit.waker.set_exception(Rejected(shed.reason, shed.retry_after_s, model))
 
     def queued(self, model: str) -> int:
         queue = self._models.get(model)

@@ -115,6 +115,7 @@ def fleet_saturated(model: str, reason: str) -> ApiError:
         "slo_unattainable": "no engine can serve it within its time-to-first-token target",
         "queue_full": "the gateway's queue for it is full",
         "preempted": "a request of higher priority took its place in the queue",
+        "slo_expired": "it waited in the gateway's queue past its time-to-first-token target",
     }.get(reason, reason)
     return ApiError(
         503,

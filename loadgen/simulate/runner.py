@@ -318,9 +318,11 @@ class _Run:
                     cascade.run_due(at_s)
                 self._pump_left(at_s)
         if self.gates is not None and self.waiting:
-            # Requests wait in a gateway queue: the fleet advances from one iteration completion to the next,
-            # and the queue lets requests go at the finish that frees their slots, as the live gate does.
-            while self.waiting and (at_s := min(node.done_s for node in nodes)) <= until_s:
+            # Requests wait in a gateway queue: the fleet advances from one iteration completion (or queued
+            # request's TTFT deadline, the live gate's timer) to the next, and the queue lets requests go at
+            # the finish that frees their slots, as the live gate does.
+            while self.waiting and (at_s := min(min(node.done_s for node in nodes),
+                                                self._next_deadline_s())) <= until_s:
                 for node in nodes:
                     if node.done_s <= at_s:
                         advance(node, at_s)
@@ -330,11 +332,19 @@ class _Run:
                 advance(node, until_s)
 
     def _pump_left(self, at_s: float) -> None:
-        """With every engine at `at_s`: when tickets left the gates since the last pump and requests wait,
-        what the gateway has received by then, and the queued requests the freed slots let go."""
-        if self.gate_left and self.waiting:
+        """With every engine at `at_s`: when tickets left the gates since the last pump (or a queued
+        request's deadline is due) and requests wait, what the gateway has received by then, and the queued
+        requests the freed slots let go."""
+        if self.waiting and (self.gate_left or self._next_deadline_s() <= at_s):
             self._receive(at_s)
+            self.gate_left = True  # one pass over the gates even when nothing left: a deadline is due
             self._pump(at_s)
+
+    def _next_deadline_s(self) -> float:
+        """The earliest TTFT deadline of a request queued at any gate (inf: none)."""
+        assert self.gates is not None
+        due = [d for gate in self.gates if gate.queued and (d := gate.next_deadline_s) is not None]
+        return min(due, default=math.inf)
 
     def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
         self._sync(now_s)
@@ -396,8 +406,17 @@ class _Run:
                 self._pump_gate(decider, gate, now_s)
 
     def _pump_gate(self, decider: Decider, gate: ModelQueue, now_s: float) -> None:
+        """As the live gate's pump: the queued requests whose TTFT deadline has passed fail (live, a 503
+        fleet_saturated), then what the slots let go is dispatched."""
         if not gate.queued:
             return
+        expired = gate.expire(now_s)
+        if expired:
+            counts = self.admission[decider.index]
+            counts["shed_slo_expired"] = counts.get("shed_slo_expired", 0) + len(expired)
+            for shed in expired:
+                index, request, _, arrival_s = self.waiting.pop(shed.ticket)
+                self._fail(index, now_s, request, self._saturated(shed.reason), None, arrival_s=arrival_s)
         for ticket in gate.pump_fleet(decider.state.snapshot(now_s), self.gate_model, now_s):
             index, request, _, arrival_s = self.waiting.pop(ticket)
             self.tickets[request.request_id] = (gate, ticket)

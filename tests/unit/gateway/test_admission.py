@@ -124,6 +124,26 @@ async def test_a_queued_request_goes_when_a_slot_frees() -> None:
     assert 'switchyard_admission_total{model="m",outcome="admitted"}' in metrics
 
 
+async def test_a_queued_request_is_refused_at_its_ttft_deadline_while_the_slot_stays_taken() -> None:
+    """The gate's timer fires at the deadline (the test's clock stands still: only the timer can shed it)."""
+    slow = FakeEngine("a", script(Admitted(5), 5.0, Delta("x", num_tokens=1), Finished("stop", 5, 1)))
+    slow.max_num_seqs = 1
+    async with serving(slow) as client:
+        running = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.05)
+        resp = await client.post("/v1/chat/completions", json=CHAT, headers={"x-slo-ttft-ms": "200"})
+        body = orjson.loads(await resp.read())
+        assert not running.done()  # the slot's holder runs for 5 s: the deadline, not a slot, ended the wait
+        assert resp.status == 503 and body["error"]["code"] == "fleet_saturated"
+        assert "past its time-to-first-token target" in body["error"]["message"]
+        assert resp.headers["Retry-After"] == "1"
+        metrics = await (await client.get("/metrics")).text()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert 'switchyard_admission_rejections_total{model="m",reason="slo_expired"} 1.0' in metrics
+    assert 'switchyard_gateway_queue_depth{model="m"} 0.0' in metrics
+
+
 def test_the_queue_wait_estimate_is_scaled_by_the_observed_quantile_of_actual_over_predicted() -> None:
     params = AdmissionParams(max_queue=100, rate_window_s=10.0, slo_quantile=0.9, min_calibration_samples=10)
     q = ModelQueue(params)
@@ -151,3 +171,58 @@ def test_the_queue_wait_estimate_is_scaled_by_the_observed_quantile_of_actual_ov
     scaled = q.arrive(Ticket(0, 5.0), 5.0, 1, 0.25, 100.0)
     rate = q.completion_rate(5.0)
     assert scaled.predicted_ttft_s == pytest.approx(2 / rate * ratios[8] + 0.25)
+
+
+def test_a_queued_request_is_shed_once_its_ttft_deadline_passes_and_only_then() -> None:
+    q = ModelQueue(AdmissionParams(max_queue=100))
+    holder = Ticket(0, 0.0)
+    q.arrive(holder, 0.0, 1, None, None)
+    early, late, patient = Ticket(0, 1.0), Ticket(0, 2.0), Ticket(0, 1.5)
+    assert q.arrive(early, 1.0, 1, None, 3.0).outcome == "queued"  # no completion yet: no prediction
+    assert q.arrive(late, 2.0, 1, None, 1.0).outcome == "queued"
+    assert q.arrive(patient, 1.5, 1, None, None).outcome == "queued"  # no SLO: no deadline
+    assert (early.deadline_s, late.deadline_s, patient.deadline_s) == (4.0, 3.0, None)
+    assert q.next_deadline_s == 3.0
+    assert q.expire(2.99) == [] and q.queued == 3
+    [shed] = q.expire(3.0)
+    assert shed.ticket is late and shed.reason == "slo_expired" and late.state == "shed"
+    assert q.queued == 2 and q.next_deadline_s == 4.0
+    q.leave(holder, 3.5)
+    assert q.pump(1, 3.5) == [early]  # it went before its deadline: nothing left to expire
+    assert q.next_deadline_s is None and q.expire(100.0) == []
+    q.leave(early, 4.0)
+    assert q.pump(1, 4.0) == [patient]
+
+
+def test_expiry_skips_tickets_that_left_or_were_preempted_and_can_be_turned_off() -> None:
+    q = ModelQueue(AdmissionParams(max_queue=1))
+    q.arrive(Ticket(0, 0.0), 0.0, 1, None, None)
+    gone, low = Ticket(0, 0.0), Ticket(5, 0.0)
+    q.arrive(gone, 0.0, 1, None, 1.0)
+    q.leave(gone, 0.5)  # its client left while it waited
+    q.arrive(low, 0.5, 1, None, 1.0)
+    newcomer = Ticket(0, 0.6)
+    high = q.arrive(newcomer, 0.6, 1, None, 1.0)
+    assert high.preempted is not None and high.preempted.ticket is low
+    [shed] = q.expire(10.0)  # only the one still queued
+    assert shed.ticket is newcomer and low.shed_reason == "preempted" and gone.state == "gone"
+    assert q.queued == 0
+    off = ModelQueue(AdmissionParams(shed_expired=False))
+    off.arrive(Ticket(0, 0.0), 0.0, 1, None, None)
+    waiting = Ticket(0, 0.0)
+    off.arrive(waiting, 0.0, 1, None, 0.1)
+    assert waiting.deadline_s is None and off.next_deadline_s is None and off.expire(100.0) == []
+
+
+def test_an_expired_wait_joins_the_calibration_as_a_lower_bound_on_its_ratio() -> None:
+    q = ModelQueue(AdmissionParams(max_queue=100, min_calibration_samples=1, slo_quantile=1.0))
+    running = [Ticket(0, 0.0) for _ in range(3)]
+    for t in running:
+        q.arrive(t, 0.0, 3, None, None)
+    q.leave(running[0], 1.0)  # 1 completion in 10 s: 0.1 per second
+    q.arrive(Ticket(0, 1.0), 1.0, 3, None, None)  # takes the slot it freed
+    waiter = Ticket(0, 2.0)
+    arrival = q.arrive(waiter, 2.0, 3, None, 30.0)
+    assert arrival.outcome == "queued" and waiter.predicted_wait_s == pytest.approx(10.0)
+    [shed] = q.expire(32.0)  # it waited 30 s against a predicted 10 s
+    assert shed.ticket is waiter and q.wait_factor() == pytest.approx(3.0)

@@ -81,6 +81,25 @@ def test_a_wait_the_ttft_slo_cannot_absorb_is_shed_once_the_completion_rate_is_k
     assert "shed_slo_unattainable" not in no_slo.per_decider[0]["admission"]
 
 
+def test_a_queued_request_fails_at_its_ttft_deadline_as_the_live_gates_timer_sheds_it() -> None:
+    """300 requests at once on 256 slots with a 0.5 s TTFT SLO: no request finishes within 0.5 s, so no
+    prediction sheds at arrival and the 44 that queue fail when their deadline passes (slo_expired); with a
+    60 s SLO they wait for slots and are served; with expiry off, a 0.5 s SLO leaves them queued too."""
+    expiring = run(burst(300), AdmissionParams(), slo_ttft_s=0.5)
+    assert expiring.per_decider[0]["admission"] == {"admitted": SLOTS, "queued": 44, "shed_slo_expired": 44}
+    failed = [o for o in expiring.outcomes if not o.success]
+    assert [o.request_id for o in failed] == [f"r{i}" for i in range(SLOTS, 300)]
+    assert all("slo_expired" in (o.error or "") for o in failed)
+    assert max(row["in_flight"] for row in expiring.timeline) == SLOTS
+    first_finish_s = min(o.arrival_s + (o.e2e_s or 0.0) for o in expiring.outcomes if o.success)
+    assert first_finish_s > 0.5 + 1e-4 * 300  # every deadline passed before any slot freed
+    patient = run(burst(300), AdmissionParams(), slo_ttft_s=60.0)
+    assert patient.per_decider[0]["admission"] == {"admitted": SLOTS, "queued": 44}
+    assert all(o.success for o in patient.outcomes)
+    kept = run(burst(300), AdmissionParams(shed_expired=False), slo_ttft_s=0.5)
+    assert all(o.success for o in kept.outcomes)
+
+
 def test_the_simulate_command_runs_without_the_gate_on_request(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     args = ["simulate", "--dataset", "synth:in=100,out=50,n=300", "--rate", "inf",
             "--engines", f"{A100}:1", "--seed", "1"]
