@@ -16,7 +16,8 @@ time is data, invariant I3). The gateway's admission gate runs here as live (`ga
 `ModelQueue.enter` / `pump_fleet`, one per decider; `SimOptions.admission`): an arrival enters it before
 routing (a cascade's on its first stage's model, until the client's answer); a queued one starts at the finish
 (or failure) that frees its slot, with its own arrival time, for which the fleet advances completion by
-completion while anything waits; a shed one is a failed outcome (live, 503 fleet_saturated).
+completion while anything waits, or fails at its TTFT deadline (`ModelQueue.expire`, a step of its own as the
+live gate's timer); a shed one is a failed outcome (live, 503 fleet_saturated).
 Not run here: the retry budget (simulated engines never fail before their first event, so no retry is ever
 asked for).
 """
