@@ -2,15 +2,15 @@
 fast are rejections answered? Baselines in the same invocation: the same load with admission control off, and
 with it on but without expiry (`admission.shed_expired`: queued requests are kept past their TTFT deadline).
 
-One invocation starts `--agents` sim agents (`--profile`) and, per scenario, a
-gateway in front of them. It first measures the fleet's capacity (requests per second finished by a closed
-loop with `--seats` clients per agent for `--capacity-s`), then offers Poisson arrivals at `--load` x that
-rate for `--duration-s`, each request carrying `x-slo-ttft-ms`. Per scenario it reports: admitted (200) and
-rejected (503 fleet_saturated) counts, the share of admitted requests whose TTFT (arrival to first content
-chunk, at the client) met the SLO, TTFT p50/p99 of admitted requests, the rejections' answer time p50/p99 at
-the client, and the bucket bound of the gateway's own p99 (`switchyard_admission_rejection_seconds`: handler
-arrival to refusal), which tells the gateway's share from the machine's.
-Attainment over all arrivals is reported too (a rejection counts as a miss), so shedding is never a free win.
+One invocation starts `--agents` sim agents (`--profile`) and, per scenario, a fresh gateway in front of them.
+It first measures the fleet's capacity on a gateway of its own (requests per second finished by a closed loop
+with `--seats` clients per agent for `--capacity-s`), then offers Poisson arrivals at `--load` x that rate for
+`--duration-s`, each request carrying `x-slo-ttft-ms`. Per scenario it reports: admitted (200) and rejected
+(503 fleet_saturated) counts, the share of admitted requests whose TTFT (arrival to first content chunk, at
+the client) met the SLO, TTFT p50/p99 of admitted requests, the rejections' answer time p50/p99 at the client,
+and the bucket bound of the gateway's own p99 (`switchyard_admission_rejection_seconds`: handler arrival to
+refusal), which tells the gateway's share from the machine's. Attainment over all arrivals is reported too (a
+rejection counts as a miss), so shedding is never a free win.
 
     python benchmarks/overload.py [--agents 2] [--max-num-seqs 16] [--load 2.0] [--slo-ttft-ms 1000] \
         [--output results/overload.json]
@@ -143,6 +143,23 @@ def _bucket_p99_ms(url: str, name: str) -> float | None:
     return None
 
 
+def start_gateway(targets: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """A least-loaded gateway over `targets` (with `env` over this process's environment), once healthy."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway", "--port", str(port), "--policy", "least_loaded"]
+    for t in targets:
+        cmd += ["--engine", t]
+    gw = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env}, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", timeout_s=120)
+    except BaseException:
+        gw.terminate()
+        gw.wait(60)
+        raise
+    return gw, url
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--agents", type=int, default=2)
@@ -169,32 +186,27 @@ def main() -> int:
                  "--sim-max-num-seqs", str(args.max_num_seqs)],
                 cwd=REPO, stderr=subprocess.DEVNULL))
             targets.append(f"127.0.0.1:{port}")
-        model = None
+        # Capacity on a gateway of its own, so that every measured arm starts cold (no completions seen).
+        probe, url = start_gateway(targets, {})
+        try:
+            import urllib.request  # noqa: PLC0415
+            with urllib.request.urlopen(f"{url}/v1/models") as r:
+                model = json.loads(r.read())["data"][0]["id"]
+            cap = asyncio.run(capacity(url, model, args.agents * args.seats, args.tokens, args.capacity_s))
+        finally:
+            probe.terminate()
+            probe.wait(60)
+        res["capacity_rps"] = cap
+        print(f"capacity {cap:.2f} requests/s", flush=True)
         for scenario, enabled, expire in (("admission_on", "true", "true"),
                                           ("admission_no_expiry", "true", "false"),
                                           ("admission_off", "false", "true")):
-            port = free_port()
-            cmd = [sys.executable, "-m", "gateway", "--port", str(port), "--policy", "least_loaded"]
-            for t in targets:
-                cmd += ["--engine", t]
-            env = {**os.environ, "SWITCHYARD_GATEWAY_ADMISSION__ENABLED": enabled,
-                   "SWITCHYARD_GATEWAY_ADMISSION__SHED_EXPIRED": expire}
-            gw = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+            gw, url = start_gateway(targets, {"SWITCHYARD_GATEWAY_ADMISSION__ENABLED": enabled,
+                                              "SWITCHYARD_GATEWAY_ADMISSION__SHED_EXPIRED": expire})
             try:
-                url = f"http://127.0.0.1:{port}"
-                wait_http(f"{url}/health", timeout_s=120)
-                if model is None:
-                    import urllib.request  # noqa: PLC0415
-                    with urllib.request.urlopen(f"{url}/v1/models") as r:
-                        model = json.loads(r.read())["data"][0]["id"]
-                    seats = args.agents * args.seats
-                    cap = asyncio.run(capacity(url, model, seats, args.tokens, args.capacity_s))
-                    res["capacity_rps"] = cap
-                    print(f"capacity {cap:.2f} requests/s", flush=True)
-                rate = args.load * float(res["capacity_rps"])  # type: ignore[arg-type]
+                rate = args.load * cap
                 rows = asyncio.run(offered(url, model, rate, args.duration_s, args.tokens, args.slo_ttft_ms))
                 res[scenario] = summary(rows, args.slo_ttft_ms / 1e3)
-                import urllib.request  # noqa: PLC0415
                 with urllib.request.urlopen(f"{url}/metrics") as r:
                     res[scenario]["gateway_metrics"] = [  # type: ignore[index]
                         line for line in r.read().decode().splitlines()
