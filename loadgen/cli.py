@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -702,13 +703,9 @@ def _simulate(args: argparse.Namespace, requests: list[Request], spec: ArrivalSp
     return 0 if summary.completed else 1
 
 
-def _admission_totals(per_decider: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+def _admission_totals(per_decider: Sequence[Mapping[str, Any]]) -> Counter[str]:
     """The admission gate's outcomes summed over the deciders (empty when it never queued nor shed)."""
-    totals: dict[str, int] = {}
-    for row in per_decider:
-        for outcome, n in row.get("admission", {}).items():
-            totals[outcome] = totals.get(outcome, 0) + n
-    return totals
+    return sum((Counter(row.get("admission", {})) for row in per_decider), Counter())
 
 
 def _compare(args: argparse.Namespace, requests: list[Request], spec: ArrivalSpec) -> int:

@@ -25,6 +25,7 @@ asked for).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from operator import sub
@@ -32,6 +33,7 @@ from typing import Any
 
 from engine_agent.domain import BackendRequest, FinishEvent, RequestId, SamplingSpec
 from gateway.admission.core import ModelQueue, Ticket
+from gateway.admission.core import Shed as GateShed
 from gateway.dispatch.features import RoutingHints, estimate_prompt_tokens
 from gateway.dispatch.life import (
     ChoiceLife,
@@ -93,6 +95,12 @@ def prompt_estimate(request: Request) -> int:
     return len(request.prompt_token_ids) if request.prompt_token_ids is not None else request.prompt_tokens
 
 
+def _deadline_s(gate: ModelQueue) -> float:
+    """The earliest TTFT deadline of a request queued at `gate` (inf: none)."""
+    deadline_s = gate.next_deadline_s if gate.queued else None
+    return math.inf if deadline_s is None else deadline_s
+
+
 class _Run:
     """One simulation's mutable state; `simulate` builds it, runs it and throws it away."""
 
@@ -148,11 +156,12 @@ class _Run:
             [ModelQueue(options.admission) for _ in self.deciders] if options.admission is not None else None)
         self.gate_model = (options.cascade.spec.stages[0].model if options.cascade is not None
                            else self.model)
-        self.tickets: dict[str, tuple[ModelQueue, Ticket]] = {}  # client request id -> its admitted ticket
+        self.tickets: dict[str, tuple[int, Ticket]] = {}  # client request id -> (decider, admitted ticket)
         # queued ticket -> (schedule index, request, its decider, arrival s)
         self.waiting: dict[Ticket, tuple[int, Request, Decider, float]] = {}
-        self.gate_left = False  # a ticket left since the last pump
-        self.admission: list[dict[str, int]] = [{} for _ in range(options.deciders)]  # per decider: outcomes
+        self.to_pump: set[int] = set()  # deciders whose gate a ticket left since its last pump (live: leave)
+        # per decider: "admitted", "queued" (let go later) or "shed_<reason>"
+        self.admission: list[Counter[str]] = [Counter() for _ in range(options.deciders)]
         self.cascade = (CascadeRun(options.cascade, seed=options.seed, dispatch=self._dispatch,
                                    finalize=self._finalize, t0=self.t0)
                         if options.cascade is not None else None)
@@ -270,8 +279,7 @@ class _Run:
         the admission gates' queues may let go)."""
         self._advance_all(now_s)
         self._receive(now_s)
-        if self.gate_left:
-            self._pump(now_s)
+        self._pump(now_s)
 
     def _receive(self, now_s: float) -> None:
         states = self.states
@@ -333,19 +341,21 @@ class _Run:
                 advance(node, until_s)
 
     def _pump_left(self, at_s: float) -> None:
-        """With every engine at `at_s`: when tickets left the gates since the last pump (or a queued
-        request's deadline is due) and requests wait, what the gateway has received by then, and the queued
-        requests the freed slots let go."""
-        if self.waiting and (self.gate_left or self._next_deadline_s() <= at_s):
+        """With every engine at `at_s`, while requests wait: the gates that tickets left since their last
+        pump, and those with a queued request's TTFT deadline due (live: its timer), pump on what the gateway
+        has received by then."""
+        if not self.waiting:
+            return
+        assert self.gates is not None
+        self.to_pump.update(i for i, gate in enumerate(self.gates) if _deadline_s(gate) <= at_s)
+        if self.to_pump:
             self._receive(at_s)
-            self.gate_left = True  # one pass over the gates even when nothing left: a deadline is due
             self._pump(at_s)
 
     def _next_deadline_s(self) -> float:
         """The earliest TTFT deadline of a request queued at any gate (inf: none)."""
         assert self.gates is not None
-        due = [d for gate in self.gates if gate.queued and (d := gate.next_deadline_s) is not None]
-        return min(due, default=math.inf)
+        return min(map(_deadline_s, self.gates))
 
     def _on_arrival(self, index: int, now_s: float, request: Request) -> None:
         self._sync(now_s)
@@ -355,8 +365,7 @@ class _Run:
         decider = self.deciders[self.assign(request.session_id or "")]
         if self._enter(index, now_s, request, decider):
             self._start(index, now_s, request, decider)
-        if self.gate_left:  # it failed at once (live: its `leave` pumps)
-            self._pump(now_s)
+        self._pump(now_s)  # when it failed at once (live: its `leave` pumps)
 
     def _start(self, index: int, now_s: float, request: Request, decider: Decider | None,
                arrival_s: float | None = None) -> None:
@@ -378,16 +387,12 @@ class _Run:
         ticket = Ticket(priority=0, arrival_s=now_s)
         arrival = gate.enter(ticket, now_s, decider.state.snapshot(now_s), self.gate_model,
                              prompt_estimate(request), self.options.slo_ttft_s)
-        counts = self.admission[decider.index]  # "admitted", "queued" (let go later) or "shed_<reason>"
-        outcome = arrival.outcome if arrival.shed is None else f"shed_{arrival.shed.reason}"
-        counts[outcome] = counts.get(outcome, 0) + 1
+        self.admission[decider.index][
+            arrival.outcome if arrival.shed is None else f"shed_{arrival.shed.reason}"] += 1
         if arrival.preempted is not None:
-            victim = arrival.preempted
-            counts["shed_preempted"] = counts.get("shed_preempted", 0) + 1
-            v_index, v_request, _, v_arrival_s = self.waiting.pop(victim.ticket)
-            self._fail(v_index, now_s, v_request, self._saturated(victim.reason), None, arrival_s=v_arrival_s)
+            self._shed_queued(decider, arrival.preempted, now_s)
         if arrival.outcome == "admitted":
-            self.tickets[request.request_id] = (gate, ticket)
+            self.tickets[request.request_id] = (decider.index, ticket)
             return True
         if arrival.shed is not None:
             self._fail(index, now_s, request, self._saturated(arrival.shed.reason), None)
@@ -398,37 +403,42 @@ class _Run:
     def _saturated(self, reason: str) -> str:
         return f"fleet saturated for model {self.gate_model!r} ({reason})"  # live: 503 fleet_saturated
 
+    def _shed_queued(self, decider: Decider, shed: GateShed, now_s: float) -> None:
+        """A queued request refused (preempted, or its deadline passed): a failed outcome (live, its waiter's
+        503 fleet_saturated)."""
+        self.admission[decider.index][f"shed_{shed.reason}"] += 1
+        index, request, _, arrival_s = self.waiting.pop(shed.ticket)
+        self._fail(index, now_s, request, self._saturated(shed.reason), None, arrival_s=arrival_s)
+
     def _pump(self, now_s: float) -> None:
-        """After tickets left: every gate lets go what its slots now allow (live, `leave` pumps)."""
-        assert self.gates is not None
-        while self.gate_left:
-            self.gate_left = False
-            for decider, gate in zip(self.deciders, self.gates, strict=True):
-                self._pump_gate(decider, gate, now_s)
+        """The gates tickets left (lowest decider first, until none is left to pump) let go what their slots
+        now allow: live, each worker's `leave` pumps its own gate."""
+        gates = self.gates
+        while self.to_pump:
+            assert gates is not None
+            i = min(self.to_pump)
+            self.to_pump.discard(i)
+            self._pump_gate(self.deciders[i], gates[i], now_s)
 
     def _pump_gate(self, decider: Decider, gate: ModelQueue, now_s: float) -> None:
         """As the live gate's pump: the queued requests whose TTFT deadline has passed fail (live, a 503
         fleet_saturated), then what the slots let go is dispatched."""
         if not gate.queued:
             return
-        expired = gate.expire(now_s)
-        if expired:
-            counts = self.admission[decider.index]
-            counts["shed_slo_expired"] = counts.get("shed_slo_expired", 0) + len(expired)
-            for shed in expired:
-                index, request, _, arrival_s = self.waiting.pop(shed.ticket)
-                self._fail(index, now_s, request, self._saturated(shed.reason), None, arrival_s=arrival_s)
+        for shed in gate.expire(now_s):
+            self._shed_queued(decider, shed, now_s)
         for ticket in gate.pump_fleet(decider.state.snapshot(now_s), self.gate_model, now_s):
             index, request, _, arrival_s = self.waiting.pop(ticket)
-            self.tickets[request.request_id] = (gate, ticket)
+            self.tickets[request.request_id] = (decider.index, ticket)
             self._start(index, now_s, request, decider, arrival_s)
 
     def _leave_gate(self, rid: str, now_s: float) -> None:
         """The request's life ended (however): its ticket leaves the gate (live: the handler's `finally`)."""
         held = self.tickets.pop(rid, None)
         if held is not None:
-            held[0].leave(held[1], now_s)
-            self.gate_left = True
+            assert self.gates is not None
+            self.gates[held[0]].leave(held[1], now_s)
+            self.to_pump.add(held[0])
 
     # ---- dispatch ----------------------------------------------------------------------------------------
 
@@ -742,7 +752,7 @@ def simulate(
     tokens = sum(o.prompt_tokens + o.output_tokens for o in outcomes if o.success)
     per_decider: list[dict[str, Any]] = [
         {"decisions": made, "dispatched": accepted, **({"why": whys} if whys else {}),
-         **({"admission": gate} if gate.keys() - {"admitted"} else {})}  # when the gate queued or shed
+         **({"admission": dict(gate)} if gate.keys() - {"admitted"} else {})}  # when the gate queued or shed
         for made, accepted, whys, gate in zip(run.decisions, run.dispatched, run.whys, run.admission,
                                               strict=True)]
     if run.balance:
